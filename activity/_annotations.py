@@ -1,0 +1,83 @@
+"""The three argument annotations: what each argument of ``f`` *is*."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+
+def _refuse_nesting(instance: Any, attribute: Any, value: Any) -> None:
+    if isinstance(value, Annotation):
+        raise TypeError(
+            f"{type(instance).__name__}({type(value).__name__}(...)) nests two annotations; "
+            f"an argument has exactly one kind. Write {type(value).__name__}(x) or "
+            f"{type(instance).__name__}(x), not both."
+        )
+
+
+@attrs.frozen(repr=False)
+class Annotation:
+    """Base of `Active`, `Constant` and `Cache`: an immutable wrapper of one argument."""
+
+    value: Any = attrs.field(validator=_refuse_nesting)
+    kind: ClassVar[str] = "annotation"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.value!r})"
+
+
+@attrs.frozen(repr=False)
+class Active(Annotation):
+    """An argument to differentiate with respect to.
+
+    The value is a float scalar, an array, a pytree of them, or a
+    ``torch.nn.Module`` (its trainable parameters are differentiated).
+    Non-floating leaves pass through and get ``None`` in the result.
+
+    >>> import numpy as np
+    >>> import activity as ad
+    >>> ad.gradient(lambda x: (x**2).sum(), ad.Active(np.array([1.0, 2.0])),
+    ...             backend=ad.AutoFiniteDifferences())
+    array([2., 4.])
+    """
+
+    kind: ClassVar[str] = "active"
+
+
+@attrs.frozen(repr=False)
+class Constant(Annotation):
+    """An argument that is data: passed as-is, never differentiated, never mutated.
+
+    Under JIT, array leaves are traced (new data of the same shape never
+    recompiles) and other leaves are static.
+
+    >>> import numpy as np
+    >>> import activity as ad
+    >>> ad.gradient(lambda w, x: (w * x).sum(), ad.Active(np.ones(2)),
+    ...             ad.Constant(np.array([3.0, 4.0])), backend=ad.AutoFiniteDifferences())
+    array([3., 4.])
+    """
+
+    kind: ClassVar[str] = "constant"
+
+
+@attrs.frozen(repr=False)
+class Cache(Annotation):
+    """Scratch storage ``f`` may overwrite; its initial content does not matter.
+
+    ``f`` receives a buffer of the same structure and shape that can hold the
+    values being differentiated; derivatives flow through what ``f`` writes
+    into it and reads back.
+
+    >>> import numpy as np
+    >>> import activity as ad
+    >>> def f(x, buf):
+    ...     buf[:] = 3 * x
+    ...     return buf.sum()
+    >>> ad.gradient(f, ad.Active(np.ones(2)), ad.Cache(np.zeros(2)),
+    ...             backend=ad.AutoFiniteDifferences())
+    array([3., 3.])
+    """
+
+    kind: ClassVar[str] = "cache"

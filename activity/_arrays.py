@@ -1,0 +1,146 @@
+"""The few array operations the generic layer needs, for numpy, JAX and torch arrays.
+
+Every function dispatches on the type of its array argument, so generic code
+(operators, finite differences, Jacobian layout) is written once.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def is_torch(x: Any) -> bool:
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def is_torch_module(x: Any) -> bool:
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    return isinstance(x, torch.nn.Module)
+
+
+def is_jax(x: Any) -> bool:
+    if "jax" not in sys.modules:
+        return False
+    import jax
+
+    return isinstance(x, jax.Array)
+
+
+def is_array(x: Any) -> bool:
+    return isinstance(x, (np.ndarray, np.generic)) or is_jax(x) or is_torch(x)
+
+
+def framework(x: Any) -> str | None:
+    """``"numpy"``, ``"jax"``, ``"torch"``, or None for anything that is not an array."""
+    if isinstance(x, (np.ndarray, np.generic)):
+        return "numpy"
+    if is_jax(x):
+        return "jax"
+    if is_torch(x) or is_torch_module(x):
+        return "torch"
+    return None
+
+
+def dtype_kind(x: Any) -> str:
+    """``"f"`` floating, ``"c"`` complex, ``"i"`` integer, ``"b"`` bool, ``"?"`` other."""
+    if isinstance(x, bool):
+        return "b"
+    if isinstance(x, int):
+        return "i"
+    if isinstance(x, float):
+        return "f"
+    if isinstance(x, complex):
+        return "c"
+    if is_torch(x):
+        if x.dtype.is_floating_point:
+            return "f"
+        if x.dtype.is_complex:
+            return "c"
+        return "b" if x.dtype == sys.modules["torch"].bool else "i"
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return "?"
+    kind = np.dtype(dtype).kind
+    return {"u": "i"}.get(kind, kind) if kind in "fciub" else "?"
+
+
+def shape(x: Any) -> tuple[int, ...]:
+    return tuple(np.shape(x)) if not is_torch(x) else tuple(x.shape)
+
+
+def size(x: Any) -> int:
+    return math.prod(shape(x))
+
+
+def namespace(x: Any) -> Any:
+    """The array module of ``x``: numpy, jax.numpy or torch."""
+    if is_torch(x):
+        return sys.modules["torch"]
+    if is_jax(x):
+        import jax.numpy as jnp
+
+        return jnp
+    return np
+
+
+def reshape(x: Any, new_shape: tuple[int, ...]) -> Any:
+    return x.reshape(new_shape) if hasattr(x, "reshape") else np.reshape(x, new_shape)
+
+
+def stack(xs: list, axis: int = 0) -> Any:
+    xp = namespace(xs[0])
+    return xp.stack(list(xs), axis) if xp is not sys.modules.get("torch") else xp.stack(list(xs), dim=axis)
+
+
+def moveaxes_front_to_back(x: Any, n_front: int) -> Any:
+    """Move the first ``n_front`` axes of ``x`` to the end, keeping their order."""
+    ndim = len(shape(x))
+    order = tuple(range(n_front, ndim)) + tuple(range(n_front))
+    return x.permute(order) if is_torch(x) else namespace(x).transpose(x, order)
+
+
+def basis(total: int, like: Any) -> Any:
+    """Identity matrix of size ``total`` with the dtype and device of ``like``."""
+    if is_torch(like):
+        return sys.modules["torch"].eye(total, dtype=like.dtype, device=like.device)
+    return namespace(like).eye(total, dtype=like.dtype)
+
+
+def split_columns(matrix: Any, sizes: list[int]) -> list:
+    """Split the last axis of ``matrix`` into consecutive blocks of ``sizes``."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(matrix[..., start : start + n])
+        start += n
+    return out
+
+
+def concat_flat(xs: list) -> Any:
+    """Concatenate the flattened leaves ``xs`` (batched over a leading axis) into one matrix."""
+    xp = namespace(xs[0])
+    parts = [reshape(x, (shape(x)[0], -1)) for x in xs]
+    return xp.cat(parts, dim=1) if xp is sys.modules.get("torch") else xp.concatenate(parts, axis=1)
+
+
+def ones_like(x: Any) -> Any:
+    return namespace(x).ones_like(x)
+
+
+def zeros_like(x: Any) -> Any:
+    return namespace(x).zeros_like(x)
+
+
+def tensordot_last_first(a: Any, b: Any) -> Any:
+    """``sum_k a[..., k] * b[k, ...]`` with ``a`` of shape (..., K) and ``b`` of shape (K, ...)."""
+    return namespace(a).tensordot(a, b, 1) if not is_torch(a) else sys.modules["torch"].tensordot(a, b, dims=1)

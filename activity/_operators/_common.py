@@ -1,0 +1,226 @@
+"""What every operator shares: its definition, the plan that runs it, and layout helpers.
+
+An operator is a `build` function that turns a `Problem` into a *pipeline*
+``(xs, ctx, extra) -> result``: pure code over the backend's primitives, which
+the backend may compile as a whole when the operator is prepared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from .. import _arrays as arrays
+from .._errors import UnsupportedError
+from .._problem import Problem, Traced, parse_arguments
+from .._tree import flatten
+from ..backends import Backend, resolve_backend
+from ..backends._base import stack_batch
+
+
+@attrs.frozen
+class Operator:
+    """One operator: its name, what its pipeline needs, and how to build the pipeline."""
+
+    name: str
+    build: Callable[..., Callable]  # build(problem, f, backend, seeds, **options) -> pipeline
+    seed: str | None = None  # "tangent" or "cotangent": the per-call vector the operator takes
+    scalar_input: bool = False
+
+
+@attrs.frozen
+class Seeds:
+    """The tangents or cotangents of one call: flat leaves, whether batched, and the static part."""
+
+    leaves: tuple
+    batch: int | None  # None for a single tangent; the batch size for `tangents=[...]`
+    spec: Any = None  # cotangents: the output structure they were given in
+
+    @property
+    def key(self) -> tuple:
+        return (self.batch, self.spec)
+
+
+REGISTRY: dict[str, Operator] = {}
+
+
+def operator_of(op: Any) -> Operator:
+    """The `Operator` behind a public operator function or its name."""
+    name = op if isinstance(op, str) else getattr(op, "__activity_operator__", None)
+    if name not in REGISTRY:
+        raise TypeError(
+            f"{op!r} is not an activity operator. Pass one of the operator functions "
+            f"(e.g. activity.gradient) or its name; known: {', '.join(sorted(REGISTRY))}."
+        )
+    return REGISTRY[name]
+
+
+def register(operator: Operator, function: Callable) -> Callable:
+    REGISTRY[operator.name] = operator
+    function.__activity_operator__ = operator.name  # type: ignore[attr-defined]
+    return function
+
+
+def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -> Seeds | None:
+    """Check and flatten ``tangent=``/``tangents=`` (or cotangents) for ``operator``."""
+    if operator.seed is None:
+        if kwargs:
+            raise TypeError(f"activity.{operator.name} got unexpected keyword argument(s) {sorted(kwargs)}.")
+        return None
+    one, many = operator.seed, operator.seed + "s"
+    unexpected = set(kwargs) - {one, many}
+    if unexpected:
+        raise TypeError(f"activity.{operator.name} got unexpected keyword argument(s) {sorted(unexpected)}.")
+    single, batch = kwargs.get(one), kwargs.get(many)
+    if (single is None) == (batch is None):
+        raise TypeError(
+            f"activity.{operator.name} needs exactly one of {one}= (one vector) or {many}= (a list of them); "
+            f"got {'both' if single is not None else 'neither'}."
+        )
+    if one == "tangent":
+        encode = lambda tree, what: (problem.flat_like_active(tree, what), None)  # noqa: E731
+    else:
+        encode = _encode_cotangent
+    if single is not None:
+        leaves, spec = encode(single, one)
+        return Seeds(leaves, None, spec)
+    if not isinstance(batch, (list, tuple)) or len(batch) == 0:
+        raise ValueError(
+            f"activity.{operator.name}: {many}= must be a non-empty list of {one}s, got "
+            f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}."
+        )
+    encoded = [encode(item, f"{many}[{b}]") for b, item in enumerate(batch)]
+    specs = {spec for _, spec in encoded if spec is not None}
+    if len(specs) > 1:
+        raise ValueError(f"activity.{operator.name}: all {many} must have the same structure.")
+    return Seeds(stack_batch([leaves for leaves, _ in encoded]), len(batch), encoded[0][1])
+
+
+def _encode_cotangent(tree: Any, what: str) -> tuple[tuple, Any]:
+    leaves, spec = flatten(tree)
+    for leaf in leaves:
+        if not (arrays.is_array(leaf) or isinstance(leaf, float)) or arrays.dtype_kind(leaf) != "f":
+            raise ValueError(f"{what} must be a float array or a pytree of them, got a {type(leaf).__name__} leaf.")
+    return tuple(leaves), spec
+
+
+class Plan:
+    """Everything one-time for an operator on one call signature: checks, problem, pipeline."""
+
+    def __init__(
+        self,
+        operator: Operator,
+        f: Callable,
+        kinds: tuple[str, ...],
+        values: tuple[Any, ...],
+        backend: Backend | None,
+        options: dict[str, Any],
+        seed_kwargs: dict[str, Any],
+        mode: str = "unprepared",
+    ):
+        backend = resolve_backend(operator.name, backend, values)
+        for kind in dict.fromkeys(kinds):
+            if not backend.supports(operator.name, kind, mode):
+                raise UnsupportedError(
+                    f"{backend!r} does not support activity.{operator.name} with a {kind.capitalize()} "
+                    f"argument ({mode}). See the support table: {type(backend).__name__}().capabilities()."
+                )
+        self.operator, self.backend = operator, backend
+        self.problem = Problem(operator.name, kinds, values, backend)
+        if operator.scalar_input:
+            self._check_scalar_inputs(values)
+        self.seeds = encode_seeds(operator, self.problem, seed_kwargs)
+        self.seed_key = None if self.seeds is None else self.seeds.key
+        self.pipeline = operator.build(self.problem, f, backend, self.seeds, **options)
+
+    def _check_scalar_inputs(self, values: tuple) -> None:
+        problem = self.problem
+        for position in problem.active_positions:
+            leaves, _ = flatten(values[position])
+            for leaf, role in zip(leaves, problem.roles[position]):
+                if role == "module" or (role == "diff" and arrays.shape(leaf) != ()):
+                    raise ValueError(
+                        f"activity.{self.operator.name} differentiates with respect to scalars, but Active "
+                        f"argument {position} holds a {type(leaf).__name__} of shape {arrays.shape(leaf)}. "
+                        f"Use activity.jacobian or activity.pushforward for array inputs."
+                    )
+
+    def compile(self) -> "Plan":
+        self.pipeline = self.backend.compile(self.pipeline)
+        return self
+
+    def run(self, values: tuple, seeds: Seeds | None) -> Any:
+        xs, ctx = self.problem.split(values)
+        extra = None if seeds is None else seeds.leaves
+        with self.backend.context():
+            return self.backend.finalize(self.pipeline(xs, ctx, extra), self.problem)
+
+
+def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend | None, options: dict, seed_kwargs: dict) -> Any:
+    """An unprepared call: plan, then run."""
+    kinds, values = parse_arguments(operator.name, f, args)
+    plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
+    return plan.run(values, plan.seeds)
+
+
+# ------------------------------------------------------------------ pipeline helpers
+
+
+def start(problem: Problem, f: Callable, backend: Backend, xs: tuple, ctx: tuple, **flags: Any) -> tuple:
+    """The first lines of every pipeline: convert inputs, make ``F``."""
+    xs, ctx = backend.convert_inputs(xs, ctx)
+    traced = Traced()
+    return xs, traced, problem.function(f, ctx, traced, **flags)
+
+
+def input_basis(xs: tuple, backend: Backend) -> tuple:
+    """One tangent per scalar entry of ``xs``: a batch of ``sum(sizes)`` unit vectors."""
+    sizes = [arrays.size(x) for x in xs]
+    eye = arrays.basis(sum(sizes), xs[0])
+    blocks = arrays.split_columns(eye, sizes)
+    return tuple(
+        backend.as_tangent(arrays.reshape(block, (sum(sizes), *arrays.shape(x))), x.dtype)
+        for block, x in zip(blocks, xs)
+    )
+
+
+def output_basis(ys: tuple) -> tuple:
+    sizes = [arrays.size(y) for y in ys]
+    eye = arrays.basis(sum(sizes), ys[0])
+    return tuple(
+        arrays.reshape(block, (sum(sizes), *arrays.shape(y)))
+        for block, y in zip(arrays.split_columns(eye, sizes), ys)
+    )
+
+
+def blocks(batched: Any, sizes: list[int], shapes: list[tuple], inner_shape: tuple, inner_first: bool) -> list:
+    """Cut the leading batch axis of ``batched`` into one block per leaf of ``shapes``.
+
+    Each block has shape ``shape + inner_shape`` (``inner_first=False``) or
+    ``inner_shape + shape`` moved so that the result is always ``outer + inner``.
+    """
+    out, start_ = [], 0
+    for n, shape in zip(sizes, shapes):
+        block = arrays.reshape(batched[start_ : start_ + n], (*shape, *inner_shape))
+        if inner_first:
+            block = arrays.moveaxes_front_to_back(block, len(shape))
+        out.append(block)
+        start_ += n
+    return out
+
+
+def with_value(value_wanted: bool, value: Any, has_aux: bool, aux: Any, *derivatives: Any) -> Any:
+    """Assemble ``derivative``, ``(derivative, aux)``, ``(value, ...)`` or ``((value, aux), ...)``."""
+    if value_wanted:
+        head = (value, aux) if has_aux else value
+        return (head, *derivatives)
+    result = derivatives[0] if len(derivatives) == 1 else derivatives
+    return (result, aux) if has_aux else result
+
+
+def per_seed(seeds: Seeds, batch_result: Callable[[int | None], Any]) -> Any:
+    """One result for a single tangent, a list for a batch."""
+    if seeds.batch is None:
+        return batch_result(None)
+    return [batch_result(b) for b in range(seeds.batch)]

@@ -1,0 +1,66 @@
+"""`jacobian` and `value_and_jacobian`: reverse mode when outputs are fewer than inputs, else forward."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .. import _arrays as arrays
+from .._annotations import Annotation
+from ..backends import Backend
+from ._common import Operator, blocks, call, input_basis, output_basis, register, start, with_value
+
+
+def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable:
+    def pipeline(xs, ctx, extra):
+        xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux)
+        in_shapes = [arrays.shape(x) for x in xs]
+        in_sizes = [arrays.size(x) for x in xs]
+        ys, aux, pull = backend.vjp(F, xs)
+        out_shapes = [arrays.shape(y) for y in ys]
+        out_sizes = [arrays.size(y) for y in ys]
+        if sum(out_sizes) <= sum(in_sizes):  # reverse: one pullback per output entry
+            cts = tuple(backend.as_tangent(b, y.dtype) for b, y in zip(output_basis(ys), ys))
+            rows = pull(cts, True)
+            by_input = [blocks(r, out_sizes, out_shapes, s, inner_first=False) for r, s in zip(rows, in_shapes)]
+            matrix = [[column[j] for column in by_input] for j in range(len(ys))]
+        else:  # forward: one pushforward per input entry
+            ys, aux, columns = backend.jvp(F, xs, input_basis(xs, backend), True)
+            matrix = [blocks(c, in_sizes, in_shapes, s, inner_first=True) for c, s in zip(columns, out_shapes)]
+        jac = traced.output([problem.like_active(row) for row in matrix])
+        aux = traced.aux(aux) if has_aux else None
+        return with_value(value, traced.output(ys), has_aux, aux, jac)
+
+    return pipeline
+
+
+def jacobian(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False) -> Any:
+    """Jacobian of ``f`` in `jax.jacobian`'s layout: output structure, then input structure,
+    each leaf of shape ``output_shape + input_shape``.
+
+    >>> import jax.numpy as jnp
+    >>> import activity as ad
+    >>> ad.jacobian(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])))
+    Array([[2., 0.],
+           [0., 4.]], dtype=float32)
+    """
+    return call(JACOBIAN, f, args, backend, {"has_aux": has_aux}, {})
+
+
+def value_and_jacobian(
+    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False
+) -> tuple[Any, Any]:
+    """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
+
+    >>> import jax.numpy as jnp
+    >>> import activity as ad
+    >>> value, jac = ad.value_and_jacobian(lambda x: 3 * x, ad.Active(jnp.array([1.0])))
+    >>> value, jac
+    (Array([3.], dtype=float32), Array([[3.]], dtype=float32))
+    """
+    return call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {})
+
+
+JACOBIAN = Operator("jacobian", lambda *a, **k: _build(*a, value=False, **k))
+VALUE_AND_JACOBIAN = Operator("value_and_jacobian", lambda *a, **k: _build(*a, value=True, **k))
+register(JACOBIAN, jacobian)
+register(VALUE_AND_JACOBIAN, value_and_jacobian)

@@ -1,0 +1,428 @@
+"""From annotated arguments to flat leaves and back.
+
+A `Problem` records, for one call signature, what each leaf of each argument
+is: differentiated (``DIFF``), a module whose trainable parameters are
+differentiated (``MODULE``), an array passed through the transform
+(``DYNAMIC``), scratch space (``CACHE``) or a static Python value
+(``STATIC``). With it, the generic layer works on two flat tuples: ``xs``, the
+differentiated leaves, and ``ctx``, everything else that changes per call.
+`Problem.function` rebuilds ``f``'s arguments from them inside the transform.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from . import _arrays as arrays
+from ._annotations import Active, Annotation, Cache, Constant
+from ._errors import PreparationMismatchError, UnsupportedError, add_note
+from ._tree import flatten, leaf_paths, unflatten
+
+DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
+
+_WRAPPERS = "Active(x) to differentiate it, Constant(x) for data, or Cache(x) for scratch space f may overwrite"
+
+
+def ordinal(position: int) -> str:
+    return f"argument {position} (counting from 0 after f)"
+
+
+def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Check the annotations of ``args``; return their kinds and the wrapped values."""
+    if not callable(f):
+        raise TypeError(
+            f"activity.{op_name}: the first argument must be the function to differentiate, "
+            f"got {type(f).__name__} {f!r:.60}. Call activity.{op_name}(f, Active(x), ...)."
+        )
+    if not args:
+        raise TypeError(
+            f"activity.{op_name}(f) got no arguments for f. Pass each argument annotated: "
+            f"activity.{op_name}(f, Active(x), Constant(data), ...)."
+        )
+    for position, arg in enumerate(args):
+        if not isinstance(arg, Annotation) or type(arg) is Annotation:
+            raise TypeError(
+                f"activity.{op_name}: {ordinal(position)} is an unannotated {type(arg).__name__}. "
+                f"Wrap it as {_WRAPPERS}."
+            )
+    kinds = tuple(arg.kind for arg in args)
+    if "active" not in kinds:
+        raise TypeError(
+            f"activity.{op_name}: no argument is Active, so there is nothing to differentiate. "
+            f"Mark the argument(s) to differentiate with Active(x)."
+        )
+    return kinds, tuple(arg.value for arg in args)
+
+
+def _array_meta(leaf: Any) -> tuple:
+    device = getattr(leaf, "device", None)
+    device = str(device) if arrays.is_torch(leaf) else None  # JAX placement is not part of the contract check
+    return (arrays.framework(leaf), arrays.shape(leaf), str(leaf.dtype), device)
+
+
+def _describe(meta: tuple) -> str:
+    if meta[0] == "static":
+        return f"the value {meta[1]!r:.60}"
+    if meta[0] == "module":
+        return f"a {meta[1]} module"
+    framework, shape, dtype, device = meta
+    where = f" on {device}" if device else ""
+    return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
+
+
+@attrs.define
+class Traced:
+    """What one run of ``f`` revealed: its output structure and the static part of ``aux``."""
+
+    out_spec: Any = None
+    aux_static: Any = None
+
+    def output(self, ys: Sequence[Any]) -> Any:
+        return unflatten(self.out_spec, list(ys))
+
+    def aux(self, aux_dynamic: Any) -> Any:
+        return combine(aux_dynamic, self.aux_static)
+
+
+def partition(tree: Any) -> tuple[list, tuple]:
+    """Split ``tree`` into its array leaves and a hashable-free static remainder."""
+    leaves, spec = flatten(tree)
+    mask = tuple(arrays.is_array(leaf) for leaf in leaves)
+    dynamic = [leaf for leaf, is_arr in zip(leaves, mask) if is_arr]
+    static = [None if is_arr else leaf for leaf, is_arr in zip(leaves, mask)]
+    return dynamic, (spec, mask, static)
+
+
+def combine(dynamic: Sequence[Any], static: tuple) -> Any:
+    spec, mask, static_leaves = static
+    it = iter(dynamic)
+    return unflatten(spec, [next(it) if is_arr else leaf for is_arr, leaf in zip(mask, static_leaves)])
+
+
+class Problem:
+    """The kinds, structures and leaf roles of one call's arguments."""
+
+    def __init__(self, op_name: str, kinds: tuple[str, ...], values: tuple[Any, ...], backend: Any):
+        self.op_name = op_name
+        self.kinds = kinds
+        self.backend = backend
+        self.specs: list = []
+        self.roles: list[tuple[str, ...]] = []
+        self.statics: list[tuple] = []
+        self.signature: list[tuple] = []
+        self.diff_shapes: list[tuple[int, ...]] = []  # shapes of the flat differentiated leaves
+        self.diff_dtypes: list[Any] = []
+        self.module_names: dict[tuple[int, int], list[str]] = {}
+        for position, (kind, value) in enumerate(zip(kinds, values)):
+            self._add_argument(position, kind, value)
+        self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
+
+    # ------------------------------------------------------------------ parsing
+
+    def _add_argument(self, position: int, kind: str, value: Any) -> None:
+        leaves, spec = flatten(value)
+        roles, statics, metas = [], [], []
+        paths = None
+        for index, leaf in enumerate(leaves):
+            dkind = arrays.dtype_kind(leaf)
+            if dkind == "c":
+                paths = paths or leaf_paths(value)
+                raise UnsupportedError(
+                    f"activity.{self.op_name} on {self.backend!r}: {ordinal(position)} ({kind}) holds a complex "
+                    f"value at {paths[index] or 'its root'}; complex differentiation is not supported. "
+                    f"Split it into real and imaginary parts."
+                )
+            if arrays.is_torch_module(leaf):
+                role = MODULE
+                names, params = self.backend.module_parameters(leaf) if kind == "active" else ([], [])
+                self.module_names[(position, index)] = names
+                self.diff_shapes += [tuple(p.shape) for p in params]
+                self.diff_dtypes += [p.dtype for p in params]
+                meta = ("module", type(leaf).__name__, self.backend.module_signature(leaf))
+            elif kind == "active" and dkind == "f":
+                role = DIFF
+                leaf = self.backend.as_array(leaf)
+                self.diff_shapes.append(arrays.shape(leaf))
+                self.diff_dtypes.append(leaf.dtype)
+                meta = _array_meta(leaf)
+            elif kind == "cache":
+                if not arrays.is_array(leaf):
+                    paths = paths or leaf_paths(value)
+                    raise TypeError(
+                        f"activity.{self.op_name}: {ordinal(position)} is a Cache holding a "
+                        f"{type(leaf).__name__} at {paths[index] or 'its root'}. A Cache holds arrays "
+                        f"(or a pytree of arrays) that f may overwrite; pass other values as Constant(...)."
+                    )
+                role, meta = CACHE, _array_meta(leaf)
+            elif arrays.is_array(leaf):
+                role, meta = DYNAMIC, _array_meta(leaf)
+            else:
+                role, meta = STATIC, ("static", leaf)
+            roles.append(role)
+            statics.append(leaf if role == STATIC else None)
+            metas.append(meta)
+        if kind == "active" and DIFF not in roles and not any(
+            self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
+        ):
+            raise TypeError(
+                f"activity.{self.op_name}: {ordinal(position)} is Active but holds no floating-point "
+                f"value to differentiate ({type(value).__name__}). Mark it Constant(...) instead, or pass "
+                f"float arrays."
+            )
+        self.specs.append(spec)
+        self.roles.append(tuple(roles))
+        self.statics.append(tuple(statics))
+        self.signature.append((kind, spec, tuple(metas)))
+
+    # --------------------------------------------------------------- per call
+
+    def split(self, values: Sequence[Any]) -> tuple[tuple, tuple]:
+        """The differentiated leaves and the per-call context leaves of ``values``."""
+        xs: list = []
+        ctx: list = []
+        as_array = self.backend.as_array
+        for position, (value, roles) in enumerate(zip(values, self.roles)):
+            leaves, _ = flatten(value)
+            for index, (leaf, role) in enumerate(zip(leaves, roles)):
+                if role == DIFF:
+                    xs.append(as_array(leaf))
+                elif role == MODULE:
+                    if (position, index) in self.module_names:
+                        xs.extend(self.backend.module_parameters(leaf)[1])
+                    ctx.append(leaf)
+                elif role != STATIC:
+                    ctx.append(leaf)
+        return tuple(xs), tuple(ctx)
+
+    def check(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple:
+        """The signature of ``values`` (for preparation checks and caches)."""
+        signature = []
+        for kind, value in zip(kinds, values):
+            leaves, spec = flatten(value)
+            metas = []
+            for leaf in leaves:
+                if arrays.is_torch_module(leaf):
+                    metas.append(("module", type(leaf).__name__, self.backend.module_signature(leaf)))
+                elif arrays.is_array(leaf) or (kind == "active" and isinstance(leaf, float)):
+                    metas.append(_array_meta(self.backend.as_array(leaf)))
+                else:
+                    metas.append(("static", leaf))
+            signature.append((kind, spec, tuple(metas)))
+        return tuple(signature)
+
+    def explain_mismatch(self, values: Sequence[Any], kinds: Sequence[str]) -> str | None:
+        """None if ``values`` match the prepared signature, else what differs, where."""
+        if len(values) != len(self.kinds):
+            return (
+                f"prepared with {len(self.kinds)} argument(s) after f, called with {len(values)}. "
+                f"Pass the same arguments in the same order."
+            )
+        got = self.check(values, kinds)
+        for position, (expected, actual, value) in enumerate(zip(self.signature, got, values)):
+            if expected[0] != actual[0]:
+                return (
+                    f"{ordinal(position)}: prepared as {expected[0].capitalize()}, called as "
+                    f"{actual[0].capitalize()}. Annotation kinds are fixed by prepare."
+                )
+            if expected[1] != actual[1]:
+                return f"{ordinal(position)}: pytree structure changed: expected {expected[1]}, got {actual[1]}."
+            for index, (meta_e, meta_a) in enumerate(zip(expected[2], actual[2])):
+                if not _same_meta(meta_e, meta_a):
+                    path = leaf_paths(value)[index] or "(the argument itself)"
+                    return f"{ordinal(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
+        return None
+
+    # ------------------------------------------------------ inside the transform
+
+    def function(
+        self, f: Callable, ctx: tuple, traced: Traced, *, has_aux: bool = False, scalar: bool = False
+    ) -> Callable[[tuple], tuple[tuple, Any]]:
+        """``F(xs) -> (output leaves, dynamic part of aux)``: f with its arguments rebuilt from leaves."""
+        backend, op_name = self.backend, self.op_name
+
+        def F(xs: tuple) -> tuple[tuple, Any]:
+            values = self.rebuild(xs, ctx)
+            try:
+                out = f(*values)
+            except Exception as error:
+                add_note(error, f"(raised by f inside activity.{op_name} with backend {backend!r})")
+                raise
+            if has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise ValueError(
+                        f"activity.{op_name}(has_aux=True): f must return a pair (output, aux), got "
+                        f"{type(out).__name__}. Return (output, aux), or drop has_aux=True."
+                    )
+                out, aux = out
+                aux_dynamic, traced.aux_static = partition(aux)
+            else:
+                aux_dynamic = None
+            ys, traced.out_spec = flatten(out)
+            self._check_output(out, ys, scalar)
+            return tuple(ys), aux_dynamic
+
+        return F
+
+    def _check_output(self, out: Any, ys: list, scalar: bool) -> None:
+        if not ys:
+            raise TypeError(
+                f"activity.{self.op_name}: f returned {out!r:.60}, which holds no array. "
+                f"f must return an array, a float, or a pytree of arrays."
+            )
+        for index, y in enumerate(ys):
+            if not (arrays.is_array(y) or isinstance(y, float)) or arrays.dtype_kind(y) != "f":
+                where = leaf_paths(out)[index] or "its output"
+                raise TypeError(
+                    f"activity.{self.op_name}: f returned a {type(y).__name__} "
+                    f"{'of dtype ' + str(y.dtype) + ' ' if hasattr(y, 'dtype') else ''}at {where}; "
+                    f"outputs must be floating-point arrays or floats."
+                )
+        if scalar and (len(ys) != 1 or arrays.shape(ys[0]) != ()):
+            what = f"an array of shape {arrays.shape(ys[0])}" if len(ys) == 1 else f"a pytree of {len(ys)} arrays"
+            raise ValueError(
+                f"activity.{self.op_name} needs f to return a scalar, but it returned {what}. "
+                f"Reduce the output (e.g. .sum() or .mean()), or use activity.jacobian for non-scalar outputs."
+            )
+
+    def rebuild(self, xs: tuple, ctx: tuple) -> list:
+        """``f``'s arguments, built from the flat leaves inside the current transform."""
+        backend = self.backend
+        x_iter, c_iter = iter(xs), iter(ctx)
+        values = []
+        for position, (spec, roles, statics) in enumerate(zip(self.specs, self.roles, self.statics)):
+            leaves = []
+            for index, (role, static) in enumerate(zip(roles, statics)):
+                if role == DIFF:
+                    leaves.append(next(x_iter))
+                elif role == STATIC:
+                    leaves.append(static)
+                elif role == CACHE:
+                    leaves.append(backend.fresh_cache(next(c_iter)))
+                elif role == DYNAMIC:
+                    leaves.append(next(c_iter))
+                else:
+                    module = next(c_iter)
+                    names = self.module_names[(position, index)]
+                    params = [next(x_iter) for _ in names]
+                    leaves.append(backend.bind_module(module, dict(zip(names, params))))
+            values.append(unflatten(spec, leaves))
+        return values
+
+    # ----------------------------------------------------------------- results
+
+    def like_active(self, flat: Sequence[Any]) -> Any:
+        """Arrange one value per differentiated leaf like the Active arguments (tuple if several)."""
+        it = iter(flat)
+        results = []
+        for position in self.active_positions:
+            leaves = []
+            for index, role in enumerate(self.roles[position]):
+                if role == DIFF:
+                    leaves.append(next(it))
+                elif role == MODULE:
+                    names = self.module_names[(position, index)]
+                    leaves.append({name: next(it) for name in names})
+                else:
+                    leaves.append(None)
+            results.append(unflatten(self.specs[position], leaves))
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def flat_like_active(self, tree: Any, what: str) -> tuple:
+        """The inverse of `like_active` for a user's tangent: its differentiated leaves, checked."""
+        parts = (tree,) if len(self.active_positions) == 1 else tree
+        if len(self.active_positions) > 1 and (not isinstance(parts, (tuple, list)) or len(parts) != len(self.active_positions)):
+            raise ValueError(
+                f"activity.{self.op_name}: with {len(self.active_positions)} Active arguments, {what} must be a "
+                f"tuple with one entry per Active argument, got {type(tree).__name__}."
+            )
+        flat = []
+        shapes = iter(zip(self.diff_shapes, self.diff_dtypes))
+        for number, (position, part) in enumerate(zip(self.active_positions, parts)):
+            label = what if len(self.active_positions) == 1 else f"{what}[{number}]"
+            try:
+                subtrees = self.specs[position].flatten_up_to(part)
+            except (ValueError, TypeError) as error:
+                raise ValueError(
+                    f"activity.{self.op_name}: {label} must have the structure of the Active {ordinal(position)}: "
+                    f"expected {self.specs[position]}, got {flatten(part)[1]} ({error})."
+                ) from None
+            for index, (role, sub) in enumerate(zip(self.roles[position], subtrees)):
+                if role == DIFF:
+                    items = [(index, "", sub)]
+                elif role == MODULE:
+                    names = self.module_names[(position, index)]
+                    if not isinstance(sub, dict) or sorted(sub) != sorted(names):
+                        raise ValueError(
+                            f"activity.{self.op_name}: {label} for a module must be a dict keyed like its "
+                            f"trainable named_parameters(): {names}."
+                        )
+                    items = [(index, f"[{name!r}]", sub[name]) for name in names]
+                else:
+                    continue
+                for leaf_index, suffix, leaf in items:
+                    shape, dtype = next(shapes)
+                    flat.append(self._checked_leaf(leaf, shape, dtype, label, position, leaf_index, suffix))
+        return tuple(flat)
+
+    def _checked_leaf(self, leaf, shape, dtype, label, position, index, suffix) -> Any:
+        def where() -> str:
+            return label + (self._path(position, index) + suffix)
+
+        if not (arrays.is_array(leaf) or isinstance(leaf, (float, int))) or arrays.dtype_kind(leaf) not in "fi":
+            raise ValueError(
+                f"activity.{self.op_name}: {where()} is a {type(leaf).__name__}; it must be a float array "
+                f"of shape {shape}."
+            )
+        if arrays.dtype_kind(leaf) != "f":
+            raise ValueError(
+                f"activity.{self.op_name}: {where()} has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}; "
+                f"tangents are floating point. Convert it, e.g. with .astype(float)."
+            )
+        if arrays.shape(leaf) != shape:
+            raise ValueError(
+                f"activity.{self.op_name}: {where()} has shape {arrays.shape(leaf)}, expected {shape} "
+                f"(the shape of the Active value there)."
+            )
+        return self.backend.as_tangent(leaf, dtype)
+
+    def _path(self, position: int, index: int) -> str:
+        # Paths are only needed for messages, so they are computed from the spec when asked.
+        dummy = unflatten(self.specs[position], list(range(self.specs[position].num_leaves)))
+        return leaf_paths(dummy)[index]
+
+    def flat_like_output(self, tree: Any, traced: Traced, what: str) -> tuple:
+        """A user's cotangent as flat leaves matching ``f``'s output, checked."""
+        leaves, spec = flatten(tree)
+        if spec != traced.out_spec:
+            raise ValueError(
+                f"activity.{self.op_name}: {what} must have the structure of f's output: expected "
+                f"{traced.out_spec}, got {spec}."
+            )
+        return tuple(leaves)
+
+
+def _same_meta(expected: tuple, actual: tuple) -> bool:
+    if expected[0] == "static" and actual[0] == "static":
+        try:
+            return bool(expected[1] is actual[1] or expected[1] == actual[1])
+        except Exception:  # noqa: BLE001 - objects whose == is not a bool compare by identity
+            return False
+    return expected == actual
+
+
+def kinds_of(args: Sequence[Any], prepared_kinds: Sequence[str]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Kinds and values of a prepared call's arguments; raw values take the prepared kinds."""
+    kinds, values = [], []
+    for arg, prepared in zip(args, prepared_kinds):
+        if isinstance(arg, (Active, Constant, Cache)):
+            kinds.append(arg.kind)
+            values.append(arg.value)
+        else:
+            kinds.append(prepared)
+            values.append(arg)
+    return tuple(kinds), tuple(values)
+
+
+__all__ = ["Problem", "Traced", "parse_arguments", "kinds_of", "PreparationMismatchError"]

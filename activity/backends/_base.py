@@ -1,0 +1,177 @@
+"""The small protocol every backend implements.
+
+The generic operators need two differentiation primitives, `jvp` and `vjp`,
+over flat tuples of arrays. Everything else here has a default a backend may
+override with a native fast path (`value_and_grad`, `hvp`), plus the hooks
+that say how a leaf becomes an array, how a Cache buffer is made inside the
+transform, and how a prepared pipeline is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar, Sequence
+
+import attrs
+
+from .. import _arrays as arrays
+
+# F(xs) -> (output leaves, dynamic aux). `pull(cts, batched)` -> gradients like xs.
+Flat = tuple
+FlatFunction = Callable[[Flat], "tuple[Flat, Any]"]
+
+OPERATORS = (
+    "derivative",
+    "value_and_derivative",
+    "second_derivative",
+    "value_derivative_and_second_derivative",
+    "gradient",
+    "value_and_gradient",
+    "jacobian",
+    "value_and_jacobian",
+    "pushforward",
+    "value_and_pushforward",
+    "pullback",
+    "value_and_pullback",
+    "hessian",
+    "value_gradient_and_hessian",
+    "hvp",
+    "gradient_and_hvp",
+)
+KINDS = ("active", "constant", "cache")
+MODES = ("unprepared", "prepared")
+
+
+@attrs.frozen
+class Backend:
+    """Base class of the backends: JAX, PyTorch, finite differences, `SecondOrder`."""
+
+    framework: ClassVar[str | None] = None  # array framework this backend differentiates natively
+
+    # -- what it supports ------------------------------------------------------
+
+    def supports(self, operator: str, kind: str, mode: str = "unprepared") -> bool:
+        """Whether this backend runs ``operator`` with an argument of ``kind`` in ``mode``."""
+        return operator in OPERATORS and kind in KINDS and mode in MODES
+
+    def capabilities(self) -> dict[tuple[str, str, str], bool]:
+        """The support table: (operator, kind, mode) -> supported."""
+        return {(o, k, m): self.supports(o, k, m) for o in OPERATORS for k in KINDS for m in MODES}
+
+    def check_framework(self, op_name: str, framework: str | None, where: str) -> None:
+        """Raise if this backend cannot differentiate arrays of ``framework``."""
+
+    # -- leaves -------------------------------------------------------------
+
+    def as_array(self, leaf: Any) -> Any:
+        """A differentiated leaf as an array of this backend (Python floats become 0-d arrays)."""
+        return leaf
+
+    def as_tangent(self, leaf: Any, dtype: Any) -> Any:
+        """A user's tangent leaf, in the dtype of the value it perturbs."""
+        return leaf
+
+    def fresh_cache(self, leaf: Any) -> Any:
+        """The buffer ``f`` gets for a Cache leaf, made inside the current transform."""
+        return leaf
+
+    def module_parameters(self, module: Any) -> tuple[list[str], list[Any]]:
+        from .._errors import UnsupportedError
+
+        raise UnsupportedError(f"{self!r} does not differentiate torch.nn.Module arguments; use AutoTorch().")
+
+    def module_signature(self, module: Any) -> tuple:
+        return ()
+
+    def bind_module(self, module: Any, params: dict[str, Any]) -> Any:
+        return module
+
+    # -- execution ------------------------------------------------------------
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """Entered around every call (grad mode, precision)."""
+        return contextlib.nullcontext()
+
+    def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
+        """Called at the start of every pipeline run (finite differences work in float64)."""
+        return xs, ctx
+
+    def finalize(self, result: Any, problem: Any) -> Any:
+        """Called on every operator result before it is returned."""
+        return result
+
+    def compile(self, pipeline: Callable) -> Callable:
+        """Turn a pipeline into its prepared form (JIT, where the backend has one)."""
+        return pipeline
+
+    # -- differentiation primitives -------------------------------------------
+
+    def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
+        """``(ys, aux, dys)``: ``F`` and its derivative along ``ts`` (a leading batch axis if batched)."""
+        raise NotImplementedError
+
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        """``(ys, aux, pull)``: ``F`` and a function pulling cotangents back to ``xs``."""
+        raise NotImplementedError
+
+    def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
+        """``(ys, aux, grads)`` for a scalar ``F``."""
+        ys, aux, pull = self.vjp(F, xs)
+        return ys, aux, pull((arrays.ones_like(ys[0]),), False)
+
+    def gradient_function(self, F: FlatFunction) -> FlatFunction:
+        """``G(xs) -> (grads, (ys, aux))``: the gradient as a function an outer backend can differentiate."""
+
+        def G(xs: Flat) -> tuple[Flat, Any]:
+            ys, aux, grads = self.value_and_grad(F, xs)
+            return grads, (ys, aux)
+
+        return G
+
+    def derivative_function(self, F: FlatFunction, ts: Flat) -> FlatFunction:
+        """``D(xs) -> (dys, (ys, aux))``: derivatives along the batch ``ts``, differentiable by an outer backend."""
+
+        def D(xs: Flat) -> tuple[Flat, Any]:
+            ys, aux, dys = self.jvp(F, xs, ts, True)
+            return dys, (ys, aux)
+
+        return D
+
+    # Second-order operators differentiate an inner first-order function with an
+    # outer backend; `SecondOrder` sets the two, every other backend is both.
+    @property
+    def outer(self) -> "Backend":
+        return self
+
+    @property
+    def inner(self) -> "Backend":
+        return self
+
+    def value_and_hvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Flat, Any, Flat]:
+        """``(ys, grads, aux, hvps)``: forward over reverse."""
+        grads, (ys, aux), hvps = self.outer.jvp(self.inner.gradient_function(F), xs, ts, batched)
+        return ys, grads, aux, hvps
+
+    def value_and_second_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Flat, Any, Flat]:
+        """``(ys, dys, aux, d2ys)`` along the batch ``ts``; ``d2ys`` has two leading batch axes."""
+        dys, (ys, aux), d2ys = self.outer.jvp(self.inner.derivative_function(F, ts), xs, ts, True)
+        return ys, dys, aux, d2ys
+
+    def loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
+        """Batched `jvp` as a loop over the batch: for backends without vmap."""
+        batch = arrays.shape(ts[0])[0]
+        columns = []
+        ys = aux = None
+        for b in range(batch):
+            ys, aux, dys = self.jvp(F, xs, tuple(t[b] for t in ts), False)
+            columns.append(dys)
+        return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
+
+
+def stack_batch(items: Sequence[Flat]) -> Flat:
+    """Stack a list of flat tuples leaf by leaf along a new leading axis."""
+    return tuple(arrays.stack([item[j] for item in items]) for j in range(len(items[0])))
+
+
+def unstack_batch(batch: Flat, size: int) -> list[Flat]:
+    return [tuple(leaf[b] for leaf in batch) for b in range(size)]

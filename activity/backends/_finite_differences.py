@@ -1,0 +1,190 @@
+"""Finite differences: the reference backend.
+
+Central differences along each tangent, with the step chosen by Ridders'
+Richardson extrapolation, evaluated in float64 in the inputs' own framework.
+No AD system is involved, so it works on any Python function; it is slow
+(one Jacobian column per input entry for reverse-mode operators).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from .. import _arrays as arrays
+from ._base import Backend, Flat, FlatFunction
+
+
+def _to_float64(leaf: Any) -> Any:
+    if arrays.dtype_kind(leaf) != "f":
+        return leaf
+    if arrays.is_torch(leaf):
+        return leaf.detach().to(sys.modules["torch"].float64)
+    if arrays.is_jax(leaf):
+        return sys.modules["jax"].numpy.asarray(leaf, dtype="float64")
+    return np.asarray(leaf, dtype=np.float64)
+
+
+def _max_abs(leaves: Flat) -> float:
+    return max((float(abs(leaf).max()) for leaf in leaves if arrays.size(leaf)), default=0.0)
+
+
+@attrs.frozen
+class AutoFiniteDifferences(Backend):
+    """Central finite differences with a Richardson-extrapolated step, in float64.
+
+    Args:
+        step: the largest step tried; Ridders' method shrinks it by ``shrink``
+            up to ``max_steps`` times and extrapolates to zero step.
+
+    >>> import numpy as np
+    >>> import activity as ad
+    >>> ad.derivative(np.sin, ad.Active(0.0), backend=ad.AutoFiniteDifferences())
+    np.float64(1.0)
+    """
+
+    step: float = 0.1
+    shrink: float = 1.4
+    max_steps: int = 10
+    framework = None  # works on numpy, JAX and torch values
+
+    def as_array(self, leaf: Any) -> Any:
+        return np.asarray(leaf, dtype=np.float64) if isinstance(leaf, float) else leaf
+
+    def as_tangent(self, leaf: Any, dtype: Any) -> Any:
+        return _to_float64(leaf if arrays.is_array(leaf) else np.asarray(leaf, dtype=np.float64))
+
+    def fresh_cache(self, leaf: Any) -> Any:
+        if arrays.is_torch(leaf):
+            return leaf.detach().to(sys.modules["torch"].float64, copy=True)
+        if arrays.is_jax(leaf):
+            return sys.modules["jax"].numpy.array(leaf, dtype="float64")
+        return np.array(leaf, dtype=np.float64)  # a copy: every evaluation starts from the same state
+
+    def module_parameters(self, module: Any) -> tuple[list[str], list[Any]]:
+        from ._torch import trainable_parameters
+
+        return trainable_parameters(module)
+
+    def module_signature(self, module: Any) -> tuple:
+        from ._torch import module_signature
+
+        return module_signature(module)
+
+    def bind_module(self, module: Any, params: dict[str, Any]) -> Any:
+        from ._torch import float64_copy
+
+        return float64_copy(module, params)
+
+    def context(self) -> contextlib.AbstractContextManager:
+        if "jax" not in sys.modules:
+            return contextlib.nullcontext()
+        return sys.modules["jax"].enable_x64(True)
+
+    def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
+        return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
+
+    def finalize(self, result: Any, problem: Any) -> Any:
+        from .._problem import combine, partition
+
+        dtypes = {str(d) for d in problem.diff_dtypes}
+        if dtypes == {"float64"} or not dtypes:
+            return result
+        target = problem.diff_dtypes[0] if len(dtypes) == 1 else None
+        if target is None:
+            return result
+        dynamic, static = partition(result)
+        return combine([_cast(leaf, target) for leaf in dynamic], static)
+
+    # -- primitives ------------------------------------------------------------
+
+    def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
+        if batched:
+            return self.loop_jvp(F, xs, ts)
+        ys, aux = F(xs)
+        scale = _max_abs(ts)
+        if scale == 0.0:
+            return ys, aux, tuple(arrays.zeros_like(_to_float64(y)) for y in ys)
+        direction = tuple(t / scale for t in ts)
+
+        def central(h: float) -> Flat:
+            plus, _ = F(tuple(x + h * t for x, t in zip(xs, direction)))
+            minus, _ = F(tuple(x - h * t for x, t in zip(xs, direction)))
+            return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
+
+        step = self.step
+        for _ in range(6):  # a step that leaves the domain (log of a negative) gives nan: retry smaller
+            estimate = self._ridders(central, step)
+            if all(bool(_all_finite(e)) for e in estimate) or not all(bool(_all_finite(y)) for y in ys):
+                break
+            step /= 10
+        return ys, aux, tuple(e * scale for e in estimate)
+
+    def _ridders(self, central: Callable[[float], Flat], step: float) -> Flat:
+        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method)."""
+        factor = self.shrink**2
+        previous_row = [central(step)]
+        best, best_error = previous_row[0], math.inf
+        h = step
+        for _ in range(1, self.max_steps):
+            h /= self.shrink
+            row = [central(h)]
+            weight = factor
+            for j in range(1, len(previous_row) + 1):
+                row.append(tuple((a * weight - b) / (weight - 1) for a, b in zip(row[j - 1], previous_row[j - 1])))
+                weight *= factor
+                error = max(
+                    _max_abs(tuple(a - b for a, b in zip(row[j], row[j - 1]))),
+                    _max_abs(tuple(a - b for a, b in zip(row[j], previous_row[j - 1]))),
+                )
+                if error <= best_error:
+                    best, best_error = row[j], error
+            if _max_abs(tuple(a - b for a, b in zip(row[-1], previous_row[-1]))) >= 2 * best_error:
+                break  # higher orders are dominated by rounding: stop
+            previous_row = row
+        return best
+
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        ys, aux = F(xs)
+        jacobian: list = []  # (sum of output sizes, sum of input sizes), built on first pull
+
+        def pull(cts: Flat, batched: bool) -> Flat:
+            if not jacobian:
+                jacobian.append(self._jacobian_matrix(F, xs))
+            cts64 = tuple(_to_float64(c) for c in cts)
+            if not batched:
+                cts64 = tuple(c[None] for c in cts64)
+            rows = arrays.concat_flat(list(cts64)) @ jacobian[0]
+            grads = [
+                arrays.reshape(block, (arrays.shape(rows)[0], *arrays.shape(x)))
+                for block, x in zip(arrays.split_columns(rows, [arrays.size(x) for x in xs]), xs)
+            ]
+            return tuple(grads) if batched else tuple(g[0] for g in grads)
+
+        return ys, aux, pull
+
+    def _jacobian_matrix(self, F: FlatFunction, xs: Flat) -> Any:
+        from .._operators._common import input_basis
+
+        _, _, columns = self.jvp(F, xs, input_basis(xs, self), True)
+        return arrays.moveaxes_front_to_back(arrays.concat_flat(list(columns)), 1)
+
+
+def _all_finite(leaf: Any) -> Any:
+    return arrays.namespace(leaf).isfinite(leaf).all()
+
+
+def _cast(leaf: Any, dtype: Any) -> Any:
+    if arrays.dtype_kind(leaf) != "f":
+        return leaf
+    if arrays.is_torch(leaf):
+        return leaf.to(dtype)
+    return leaf.astype(dtype)
+
+
+__all__ = ["AutoFiniteDifferences"]
