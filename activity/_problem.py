@@ -258,7 +258,7 @@ class Problem:
                 out, aux = out
                 aux_dynamic, traced.aux_static = partition(aux)
             else:
-                aux_dynamic = None
+                aux_dynamic = ()  # torch.func accepts only tensors (and containers) as aux
             ys, traced.out_spec = flatten(out)
             self._check_output(out, ys, scalar)
             return tuple(ys), aux_dynamic

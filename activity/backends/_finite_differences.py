@@ -57,7 +57,8 @@ class AutoFiniteDifferences(Backend):
         return np.asarray(leaf, dtype=np.float64) if isinstance(leaf, float) else leaf
 
     def as_tangent(self, leaf: Any, dtype: Any) -> Any:
-        return _to_float64(leaf if arrays.is_array(leaf) else np.asarray(leaf, dtype=np.float64))
+        # Converted to float64 inside the primitives, where the float64 context is active.
+        return leaf if arrays.is_array(leaf) else np.asarray(leaf, dtype=np.float64)
 
     def fresh_cache(self, leaf: Any) -> Any:
         if arrays.is_torch(leaf):
@@ -107,6 +108,7 @@ class AutoFiniteDifferences(Backend):
         if batched:
             return self.loop_jvp(F, xs, ts)
         ys, aux = F(xs)
+        ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
         if scale == 0.0:
             return ys, aux, tuple(arrays.zeros_like(_to_float64(y)) for y in ys)
