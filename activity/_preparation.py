@@ -41,16 +41,19 @@ class Prepared:
         seeds = encode_seeds(plan.operator, problem, seed_kwargs)
         seed_key = None if seeds is None else seeds.key
         if self._strict:
-            mismatch = problem.explain_mismatch(values, kinds)
-            if mismatch is None and seed_key != plan.seed_key:
+            split = problem.split(values, kinds)
+            mismatch = None
+            if split is None:
+                mismatch = problem.explain_mismatch(values, kinds) or "the arguments differ from the prepared ones."
+            elif seed_key != plan.seed_key:
                 mismatch = _seed_mismatch(plan.seed_key, seed_key, plan.operator.seed)
             if mismatch is not None:
                 raise PreparationMismatchError(
                     f"prepared activity.{self.operator}: {mismatch} Prepare again for the new arguments, "
                     f"or prepare with strict=False to re-prepare automatically."
                 )
-        else:
-            plan = self._plan_for(kinds, values, seed_kwargs, seed_key)
+            return plan.run(values, seeds, split)
+        plan = self._plan_for(kinds, values, seed_kwargs, seed_key)
         return plan.run(values, seeds)
 
     def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict, seed_key: Any) -> Plan:

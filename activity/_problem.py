@@ -57,16 +57,19 @@ def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[st
 
 
 def _array_meta(leaf: Any) -> tuple:
-    device = getattr(leaf, "device", None)
-    device = str(device) if arrays.is_torch(leaf) else None  # JAX placement is not part of the contract check
-    return (arrays.framework(leaf), arrays.shape(leaf), str(leaf.dtype), device)
+    """What a prepared operator needs unchanged in an array: framework, shape, dtype (and torch device)."""
+    if arrays.is_torch(leaf):
+        return ("torch", tuple(leaf.shape), leaf.dtype, leaf.device)
+    if not arrays.is_array(leaf):
+        return ("static", leaf)
+    return (arrays.framework(leaf), arrays.shape(leaf), str(leaf.dtype), None)  # JAX placement is not checked
 
 
 def _describe(meta: tuple) -> str:
     if meta[0] == "static":
         return f"the value {meta[1]!r:.60}"
     if meta[0] == "module":
-        return f"a {meta[1]} module"
+        return f"a {meta[1]} module with parameters and buffers {[entry for entry in meta[2] if isinstance(entry, tuple)]}"
     framework, shape, dtype, device = meta
     where = f" on {device}" if device else ""
     return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
@@ -136,11 +139,13 @@ class Problem:
                 )
             if arrays.is_torch_module(leaf):
                 role = MODULE
-                names, params = self.backend.module_parameters(leaf) if kind == "active" else ([], [])
+                names, params, layout = self.backend.describe_module(leaf)
+                if kind != "active":
+                    names, params = [], []
                 self.module_names[(position, index)] = names
                 self.diff_shapes += [tuple(p.shape) for p in params]
                 self.diff_dtypes += [p.dtype for p in params]
-                meta = ("module", type(leaf).__name__, self.backend.module_signature(leaf))
+                meta = ("module", type(leaf).__name__, layout)
             elif kind == "active" and dkind == "f":
                 role = DIFF
                 leaf = self.backend.as_array(leaf)
@@ -178,22 +183,46 @@ class Problem:
 
     # --------------------------------------------------------------- per call
 
-    def split(self, values: Sequence[Any]) -> tuple[tuple, tuple]:
-        """The differentiated leaves and the per-call context leaves of ``values``."""
+    def split(self, values: Sequence[Any], kinds: Sequence[str] | None = None) -> tuple[tuple, tuple] | None:
+        """The differentiated leaves and the per-call context leaves of ``values``.
+
+        With ``kinds``, also check ``values`` against the prepared signature in
+        the same pass, and return None on any difference (`explain_mismatch`
+        then says what differs).
+        """
         xs: list = []
         ctx: list = []
+        check = kinds is not None
         as_array = self.backend.as_array
         for position, (value, roles) in enumerate(zip(values, self.roles)):
-            leaves, _ = flatten(value)
+            leaves, spec = flatten(value)
+            active = self.kinds[position] == "active"
+            if check:
+                if kinds[position] != self.kinds[position] or spec != self.specs[position]:
+                    return None
+                metas = self.signature[position][2]
             for index, (leaf, role) in enumerate(zip(leaves, roles)):
+                if role == STATIC:
+                    if check and not _same_meta(metas[index], ("static", leaf)):
+                        return None
+                    continue
+                if role == MODULE:
+                    if not arrays.is_torch_module(leaf):
+                        return None
+                    names, params, layout = self.backend.describe_module(leaf)
+                    if check and layout != metas[index][2]:
+                        return None
+                    if active:
+                        xs.extend(params)
+                    ctx.append(leaf)
+                    continue
                 if role == DIFF:
-                    xs.append(as_array(leaf))
-                elif role == MODULE:
-                    if (position, index) in self.module_names:
-                        xs.extend(self.backend.module_parameters(leaf)[1])
+                    leaf = as_array(leaf)
+                    xs.append(leaf)
+                else:
                     ctx.append(leaf)
-                elif role != STATIC:
-                    ctx.append(leaf)
+                if check and _array_meta(leaf) != metas[index]:
+                    return None
         return tuple(xs), tuple(ctx)
 
     def check(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple:
@@ -204,11 +233,11 @@ class Problem:
             metas = []
             for leaf in leaves:
                 if arrays.is_torch_module(leaf):
-                    metas.append(("module", type(leaf).__name__, self.backend.module_signature(leaf)))
-                elif arrays.is_array(leaf) or (kind == "active" and isinstance(leaf, float)):
+                    metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf)[2]))
+                elif kind == "active" and isinstance(leaf, float):
                     metas.append(_array_meta(self.backend.as_array(leaf)))
                 else:
-                    metas.append(("static", leaf))
+                    metas.append(_array_meta(leaf))
             signature.append((kind, spec, tuple(metas)))
         return tuple(signature)
 
@@ -305,8 +334,8 @@ class Problem:
                 else:
                     module = next(c_iter)
                     names = self.module_names[(position, index)]
-                    params = [next(x_iter) for _ in names]
-                    leaves.append(backend.bind_module(module, dict(zip(names, params))))
+                    params = [next(x_iter) for _ in names] if self.kinds[position] == "active" else None
+                    leaves.append(backend.bind_module(module, params))
             values.append(unflatten(spec, leaves))
         return values
 

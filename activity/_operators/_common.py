@@ -150,8 +150,8 @@ class Plan:
         self.pipeline = self.backend.compile(self.pipeline)
         return self
 
-    def run(self, values: tuple, seeds: Seeds | None) -> Any:
-        xs, ctx = self.problem.split(values)
+    def run(self, values: tuple, seeds: Seeds | None, split: tuple | None = None) -> Any:
+        xs, ctx = split if split is not None else self.problem.split(values)
         extra = None if seeds is None else seeds.leaves
         with self.backend.context():
             return self.backend.finalize(self.pipeline(xs, ctx, extra), self.problem)

@@ -75,15 +75,14 @@ class Backend:
         """The buffer ``f`` gets for a Cache leaf, made inside the current transform."""
         return leaf
 
-    def module_parameters(self, module: Any) -> tuple[list[str], list[Any]]:
+    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+        """Trainable parameter names and tensors of a module, and its checked layout."""
         from .._errors import UnsupportedError
 
-        raise UnsupportedError(f"{self!r} does not differentiate torch.nn.Module arguments; use AutoTorch().")
+        raise UnsupportedError(f"{self!r} does not take torch.nn.Module arguments; use AutoTorch().")
 
-    def module_signature(self, module: Any) -> tuple:
-        return ()
-
-    def bind_module(self, module: Any, params: dict[str, Any]) -> Any:
+    def bind_module(self, module: Any, params: list[Any] | None) -> Any:
+        """The module ``f`` sees: ``params`` in place of its trainable parameters (None: unchanged)."""
         return module
 
     # -- execution ------------------------------------------------------------

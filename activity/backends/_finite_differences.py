@@ -67,17 +67,12 @@ class AutoFiniteDifferences(Backend):
             return sys.modules["jax"].numpy.array(leaf, dtype="float64")
         return np.array(leaf, dtype=np.float64)  # a copy: every evaluation starts from the same state
 
-    def module_parameters(self, module: Any) -> tuple[list[str], list[Any]]:
-        from ._torch import trainable_parameters
+    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+        from ._torch import describe_module
 
-        return trainable_parameters(module)
+        return describe_module(module)
 
-    def module_signature(self, module: Any) -> tuple:
-        from ._torch import module_signature
-
-        return module_signature(module)
-
-    def bind_module(self, module: Any, params: dict[str, Any]) -> Any:
+    def bind_module(self, module: Any, params: list[Any] | None) -> Any:
         from ._torch import float64_copy
 
         return float64_copy(module, params)

@@ -58,13 +58,10 @@ class SecondOrder(Backend):
     def fresh_cache(self, leaf: Any) -> Any:
         return self.inner.fresh_cache(leaf)
 
-    def module_parameters(self, module: Any) -> tuple[list[str], list[Any]]:
-        return self.inner.module_parameters(module)
+    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+        return self.inner.describe_module(module)
 
-    def module_signature(self, module: Any) -> tuple:
-        return self.inner.module_signature(module)
-
-    def bind_module(self, module: Any, params: dict[str, Any]) -> Any:
+    def bind_module(self, module: Any, params: list[Any] | None) -> Any:
         return self.inner.bind_module(module, params)
 
     # The outer backend owns precision and compilation of the whole pipeline.

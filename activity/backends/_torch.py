@@ -37,61 +37,80 @@ def _inside_functorch() -> bool:
 # ------------------------------------------------------------------ modules
 
 
-def trainable_parameters(module: Any) -> tuple[list[str], list[Any]]:
-    """Names and tensors of the parameters to differentiate (shared ones once)."""
-    names, params = [], []
-    for name, param in module.named_parameters():
-        if param.requires_grad:
-            names.append(name)
-            params.append(param)
-    return names, params
+def describe_module(module: Any) -> tuple[list[str], list[Any], tuple]:
+    """One walk over ``module``: trainable parameter names and tensors (shared ones once,
+    named like ``named_parameters()``), and the layout a prepared operator checks."""
+    names: list[str] = []
+    params: list[Any] = []
+    layout: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(m: Any, prefix: str) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        layout.append(type(m))
+        for key, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            layout.append((prefix + key, tuple(p.shape), p.dtype, p.device, p.requires_grad))
+            if p.requires_grad:
+                names.append(prefix + key)
+                params.append(p)
+        for key, b in m._buffers.items():
+            if b is not None:
+                layout.append((prefix + key, tuple(b.shape), b.dtype, b.device))
+        for key, child in m._modules.items():
+            if child is not None:
+                visit(child, prefix + key + ".")
+
+    visit(module, "")
+    return names, params, tuple(layout)
 
 
-def module_signature(module: Any) -> tuple:
-    """What a prepared operator must see unchanged in a module: its types and tensor layouts."""
-    return (
-        tuple((n, type(m).__name__) for n, m in module.named_modules()),
-        tuple((n, tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad) for n, p in module.named_parameters()),
-        tuple((n, tuple(b.shape), str(b.dtype), str(b.device)) for n, b in module.named_buffers()),
-    )
+def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
+    """A copy of ``module``'s structure whose trainable parameters are ``params``.
 
-
-def bound_view(module: Any, params: dict[str, Any], convert: Callable[[Any], Any]) -> Any:
-    """A copy of ``module``'s structure using ``params`` and ``convert``-ed tensors elsewhere.
-
-    ``convert`` is applied to every buffer and non-replaced parameter (a clone
-    for AD, a float64 copy for finite differences). Shared submodules and tied
-    parameters stay shared in the view.
+    ``params`` follow `describe_module`'s order (None: a Constant module, no
+    parameter replaced). Every other parameter and buffer is ``convert``-ed (a
+    clone for AD, a float64 copy for finite differences). Shared submodules and
+    tied parameters stay shared in the view; the original is never written.
     """
-    replacement: dict[int, Any] = {}
-    for name, tensor in params.items():
-        replacement[id(module.get_parameter(name))] = tensor
+    replacements = iter(params or ())
+    replaced: dict[int, Any] = {}
     views: dict[int, Any] = {}
 
-    def tensor_for(t: Any) -> Any:
+    def tensor_for(t: Any, trainable: bool) -> Any:
         if t is None:
             return None
-        if id(t) not in replacement:
-            replacement[id(t)] = convert(t)
-        return replacement[id(t)]
+        new = replaced.get(id(t))
+        if new is None:
+            new = next(replacements) if trainable else convert(t)
+            replaced[id(t)] = new
+        return new
 
     def view(m: Any) -> Any:
-        if id(m) in views:
-            return views[id(m)]
+        existing = views.get(id(m))
+        if existing is not None:
+            return existing
         new = object.__new__(type(m))
-        new.__dict__ = m.__dict__.copy()
         views[id(m)] = new
-        new._parameters = {k: tensor_for(p) for k, p in m._parameters.items()}
-        new._buffers = {k: tensor_for(b) for k, b in m._buffers.items()}
-        new._modules = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
-        if hasattr(new, "_flat_weights_names"):  # RNNs cache their weights in a list
-            new._flat_weights = [getattr(new, w) if hasattr(new, w) else None for w in new._flat_weights_names]
+        state = m.__dict__.copy()  # set directly: nn.Module.__setattr__ is slow and would refuse tensors
+        state["_parameters"] = {
+            k: tensor_for(p, params is not None and p is not None and p.requires_grad) for k, p in m._parameters.items()
+        }
+        state["_buffers"] = {k: tensor_for(b, False) for k, b in m._buffers.items()}
+        state["_modules"] = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
+        if "_flat_weights_names" in state:  # RNNs cache their weights in a list
+            state["_flat_weights"] = [state["_parameters"].get(w, state.get(w)) for w in state["_flat_weights_names"]]
+        new.__dict__ = state
         return new
 
     return view(module)
 
 
-def float64_copy(module: Any, params: dict[str, Any]) -> Any:
+def float64_copy(module: Any, params: list[Any] | None) -> Any:
     """The module evaluated in float64 on copies (finite differences)."""
     torch = _torch()
 
@@ -153,13 +172,10 @@ class AutoTorch(Backend):
             return tensor.to(torch.get_default_dtype())
         return tensor.detach().clone() if not _inside_functorch() else tensor.clone()
 
-    def module_parameters(self, module: Any) -> tuple[list[str], list[Any]]:
-        return trainable_parameters(module)
+    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+        return describe_module(module)
 
-    def module_signature(self, module: Any) -> tuple:
-        return module_signature(module)
-
-    def bind_module(self, module: Any, params: dict[str, Any]) -> Any:
+    def bind_module(self, module: Any, params: list[Any] | None) -> Any:
         return bound_view(module, params, _clone)
 
     def context(self) -> contextlib.AbstractContextManager:
