@@ -139,13 +139,12 @@ class Problem:
                 )
             if arrays.is_torch_module(leaf):
                 role = MODULE
-                names, params, layout = self.backend.describe_module(leaf)
-                if kind != "active":
-                    names, params = [], []
+                described = self.backend.describe_module(leaf)
+                names, params = (described.names, described.params) if kind == "active" else ([], [])
                 self.module_names[(position, index)] = names
                 self.diff_shapes += [tuple(p.shape) for p in params]
                 self.diff_dtypes += [p.dtype for p in params]
-                meta = ("module", type(leaf).__name__, layout)
+                meta = ("module", type(leaf).__name__, described.layout)
             elif kind == "active" and dkind == "f":
                 role = DIFF
                 leaf = self.backend.as_array(leaf)
@@ -209,12 +208,12 @@ class Problem:
                 if role == MODULE:
                     if not arrays.is_torch_module(leaf):
                         return None
-                    names, params, layout = self.backend.describe_module(leaf)
-                    if check and layout != metas[index][2]:
+                    described = self.backend.describe_module(leaf)
+                    if check and described.layout != metas[index][2]:
                         return None
                     if active:
-                        xs.extend(params)
-                    ctx.append(leaf)
+                        xs.extend(described.params)
+                    ctx.append(described)
                     continue
                 if role == DIFF:
                     leaf = as_array(leaf)
@@ -233,7 +232,7 @@ class Problem:
             metas = []
             for leaf in leaves:
                 if arrays.is_torch_module(leaf):
-                    metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf)[2]))
+                    metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
                 elif kind == "active" and isinstance(leaf, float):
                     metas.append(_array_meta(self.backend.as_array(leaf)))
                 else:

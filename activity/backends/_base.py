@@ -75,14 +75,16 @@ class Backend:
         """The buffer ``f`` gets for a Cache leaf, made inside the current transform."""
         return leaf
 
-    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
-        """Trainable parameter names and tensors of a module, and its checked layout."""
+    def describe_module(self, module: Any) -> Any:
+        """One walk over a module: an object with ``.names`` and ``.params`` (the trainable
+        parameters), ``.layout`` (what a prepared operator checks); passed to `bind_module`."""
         from .._errors import UnsupportedError
 
         raise UnsupportedError(f"{self!r} does not take torch.nn.Module arguments; use AutoTorch().")
 
     def bind_module(self, module: Any, params: list[Any] | None) -> Any:
-        """The module ``f`` sees: ``params`` in place of its trainable parameters (None: unchanged)."""
+        """The module ``f`` sees, from `describe_module`'s description: ``params`` in place of
+        its trainable parameters (None: a Constant module), buffers copied."""
         return module
 
     # -- execution ------------------------------------------------------------

@@ -67,7 +67,7 @@ class AutoFiniteDifferences(Backend):
             return sys.modules["jax"].numpy.array(leaf, dtype="float64")
         return np.array(leaf, dtype=np.float64)  # a copy: every evaluation starts from the same state
 
-    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+    def describe_module(self, module: Any) -> Any:
         from ._torch import describe_module
 
         return describe_module(module)

@@ -58,7 +58,7 @@ class SecondOrder(Backend):
     def fresh_cache(self, leaf: Any) -> Any:
         return self.inner.fresh_cache(leaf)
 
-    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+    def describe_module(self, module: Any) -> Any:
         return self.inner.describe_module(module)
 
     def bind_module(self, module: Any, params: list[Any] | None) -> Any:

@@ -37,13 +37,24 @@ def _inside_functorch() -> bool:
 # ------------------------------------------------------------------ modules
 
 
-def describe_module(module: Any) -> tuple[list[str], list[Any], tuple]:
-    """One walk over ``module``: trainable parameter names and tensors (shared ones once,
-    named like ``named_parameters()``), and the layout a prepared operator checks."""
+@attrs.frozen(eq=False)
+class ModuleDescription:
+    """What one walk over a module found (see `describe_module`)."""
+
+    module: Any
+    names: list[str]  # trainable parameters, named like named_parameters(), shared ones once
+    params: list[Any]
+    layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
+    has_buffers: bool
+
+
+def describe_module(module: Any) -> ModuleDescription:
+    """Walk ``module`` once: its trainable parameters and the layout a prepared operator checks."""
     names: list[str] = []
     params: list[Any] = []
     layout: list[Any] = []
     seen: set[int] = set()
+    has_buffers = False
 
     def visit(m: Any, prefix: str) -> None:
         if id(m) in seen:
@@ -54,19 +65,21 @@ def describe_module(module: Any) -> tuple[list[str], list[Any], tuple]:
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
-            layout.append((prefix + key, tuple(p.shape), p.dtype, p.device, p.requires_grad))
+            layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
             if p.requires_grad:
                 names.append(prefix + key)
                 params.append(p)
+        nonlocal has_buffers
         for key, b in m._buffers.items():
             if b is not None:
-                layout.append((prefix + key, tuple(b.shape), b.dtype, b.device))
+                has_buffers = True
+                layout.append((prefix + key, b.shape, b.dtype, b.device))
         for key, child in m._modules.items():
             if child is not None:
                 visit(child, prefix + key + ".")
 
     visit(module, "")
-    return names, params, tuple(layout)
+    return ModuleDescription(module, names, params, tuple(layout), has_buffers)
 
 
 def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
@@ -76,6 +89,8 @@ def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], A
     parameter replaced). Every other parameter and buffer is ``convert``-ed (a
     clone for AD, a float64 copy for finite differences). Shared submodules and
     tied parameters stay shared in the view; the original is never written.
+    A submodule in which nothing is replaced (no buffers, its own parameters
+    passed back, as on the autograd tape) is used as it is, without a copy.
     """
     replacements = iter(params or ())
     replaced: dict[int, Any] = {}
@@ -94,23 +109,32 @@ def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], A
         existing = views.get(id(m))
         if existing is not None:
             return existing
-        new = object.__new__(type(m))
-        views[id(m)] = new
-        state = m.__dict__.copy()  # set directly: nn.Module.__setattr__ is slow and would refuse tensors
-        state["_parameters"] = {
+        parameters = {
             k: tensor_for(p, params is not None and p is not None and p.requires_grad) for k, p in m._parameters.items()
         }
-        state["_buffers"] = {k: tensor_for(b, False) for k, b in m._buffers.items()}
-        state["_modules"] = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
+        buffers = {k: tensor_for(b, False) for k, b in m._buffers.items()}
+        modules = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
+        unchanged = (
+            all(new is old for new, old in zip(parameters.values(), m._parameters.values()))
+            and all(new is old for new, old in zip(buffers.values(), m._buffers.values()))
+            and all(new is old for new, old in zip(modules.values(), m._modules.values()))
+        )
+        if unchanged:
+            views[id(m)] = m
+            return m
+        new = object.__new__(type(m))
+        state = m.__dict__.copy()
+        state.update(_parameters=parameters, _buffers=buffers, _modules=modules)
         if "_flat_weights_names" in state:  # RNNs cache their weights in a list
-            state["_flat_weights"] = [state["_parameters"].get(w, state.get(w)) for w in state["_flat_weights_names"]]
-        new.__dict__ = state
+            state["_flat_weights"] = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
+        object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
+        views[id(m)] = new
         return new
 
     return view(module)
 
 
-def float64_copy(module: Any, params: list[Any] | None) -> Any:
+def float64_copy(module: ModuleDescription, params: list[Any] | None) -> Any:
     """The module evaluated in float64 on copies (finite differences)."""
     torch = _torch()
 
@@ -118,7 +142,7 @@ def float64_copy(module: Any, params: list[Any] | None) -> Any:
         t = t.detach()
         return t.to(torch.float64, copy=True) if t.dtype.is_floating_point else t.clone()
 
-    return bound_view(module, params, convert)
+    return bound_view(module.module, params, convert)
 
 
 def _clone(t: Any) -> Any:
@@ -172,11 +196,14 @@ class AutoTorch(Backend):
             return tensor.to(torch.get_default_dtype())
         return tensor.detach().clone() if not _inside_functorch() else tensor.clone()
 
-    def describe_module(self, module: Any) -> tuple[list[str], list[Any], tuple]:
+    def describe_module(self, module: Any) -> ModuleDescription:
         return describe_module(module)
 
-    def bind_module(self, module: Any, params: list[Any] | None) -> Any:
-        return bound_view(module, params, _clone)
+    def bind_module(self, module: ModuleDescription, params: list[Any] | None) -> Any:
+        own = params is None or all(new is old for new, old in zip(params, module.params))
+        if own and not module.has_buffers:
+            return module.module  # the tape differentiates the parameters themselves: nothing to copy
+        return bound_view(module.module, params, _clone)
 
     def context(self) -> contextlib.AbstractContextManager:
         return _torch().enable_grad()
@@ -195,7 +222,7 @@ class AutoTorch(Backend):
 
             return ys, aux, pull_func
 
-        leaves = tuple(x.detach().requires_grad_() for x in xs)
+        leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
 
@@ -224,7 +251,7 @@ class AutoTorch(Backend):
         if _inside_functorch():
             grads, (ys, aux) = torch.func.grad(_scalar_with_aux(F), has_aux=True)(xs)
             return ys, aux, grads
-        leaves = tuple(x.detach().requires_grad_() for x in xs)
+        leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         if not ys[0].requires_grad:
             return ys, aux, tuple(torch.zeros_like(x) for x in xs)
@@ -255,6 +282,14 @@ class AutoTorch(Backend):
         else:
             ys, dys, aux = torch.func.vmap(one, out_dims=(None, 0, None))(ts)
         return ys, aux, dys
+
+
+def _tape_leaf(x: Any) -> Any:
+    """A tensor the tape differentiates: a parameter as it is (like a hand-written
+    ``torch.autograd.grad(loss, params)``), anything else as a fresh detached leaf."""
+    if x.requires_grad and x.is_leaf:
+        return x
+    return x.detach().requires_grad_()
 
 
 def _scalar_with_aux(F: FlatFunction) -> Callable:
