@@ -22,6 +22,7 @@ class Annotation:
 
     value: Any = attrs.field(validator=_refuse_nesting)
     kind: ClassVar[str] = "annotation"
+    __activity_leaf__: ClassVar[bool] = True  # never a pytree node: a nested annotation is an error
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.value!r})"

@@ -13,28 +13,20 @@ from typing import Any
 import numpy as np
 
 
+# A framework that is not imported yet cannot have made ``x``: these never import one.
 def is_torch(x: Any) -> bool:
-    if "torch" not in sys.modules:
-        return False
-    import torch
-
-    return isinstance(x, torch.Tensor)
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def is_torch_module(x: Any) -> bool:
-    if "torch" not in sys.modules:
-        return False
-    import torch
-
-    return isinstance(x, torch.nn.Module)
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
 
 
 def is_jax(x: Any) -> bool:
-    if "jax" not in sys.modules:
-        return False
-    import jax
-
-    return isinstance(x, jax.Array)
+    jax = sys.modules.get("jax")
+    return jax is not None and hasattr(jax, "Array") and isinstance(x, jax.Array)
 
 
 def is_array(x: Any) -> bool:

@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 from ._errors import PreparationMismatchError
 from ._operators._common import Plan, encode_seeds, operator_of
-from ._problem import kinds_of, parse_arguments
+from ._problem import array_meta, kinds_of, parse_arguments
+from ._tree import flatten
 from .backends import Backend
 
 
@@ -18,8 +19,8 @@ class Prepared:
     with the same kinds; ``tangent=``/``cotangent=`` are passed per call.
     """
 
-    def __init__(self, plan: Plan, f: Callable, strict: bool, options: dict[str, Any]):
-        self._plans = [((tuple(plan.problem.signature), plan.seed_key), plan)]
+    def __init__(self, plan: Plan, f: Callable, strict: bool, options: dict[str, Any], seed_kwargs: dict[str, Any]):
+        self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs)), plan)]
         self._plan = plan
         self._f, self._strict, self._options = f, strict, options
         self._lock = threading.Lock()
@@ -38,26 +39,26 @@ class Prepared:
                 f"called with {len(args)}. Pass the same arguments in the same order."
             )
         kinds, values = kinds_of(args, problem.kinds)
+        if not self._strict:
+            plan = self._plan_for(kinds, values, seed_kwargs)
+            return plan.run(values, encode_seeds(plan.operator, plan.problem, seed_kwargs))
         seeds = encode_seeds(plan.operator, problem, seed_kwargs)
-        seed_key = None if seeds is None else seeds.key
-        if self._strict:
-            split = problem.split(values, kinds)
-            mismatch = None
-            if split is None:
-                mismatch = problem.explain_mismatch(values, kinds) or "the arguments differ from the prepared ones."
-            elif seed_key != plan.seed_key:
-                mismatch = _seed_mismatch(plan.seed_key, seed_key, plan.operator.seed)
-            if mismatch is not None:
-                raise PreparationMismatchError(
-                    f"prepared activity.{self.operator}: {mismatch} Prepare again for the new arguments, "
-                    f"or prepare with strict=False to re-prepare automatically."
-                )
-            return plan.run(values, seeds, split)
-        plan = self._plan_for(kinds, values, seed_kwargs, seed_key)
-        return plan.run(values, seeds)
+        split = problem.split(values, kinds)
+        mismatch = None
+        if split is None:
+            mismatch = problem.explain_mismatch(values, kinds) or "the arguments differ from the prepared ones."
+        elif seeds is not None and seeds.key != plan.seed_key:
+            mismatch = _seed_mismatch(plan.seed_key, seeds.key, plan.operator.seed)
+        if mismatch is not None:
+            raise PreparationMismatchError(
+                f"prepared activity.{self.operator}: {mismatch} Prepare again for the new arguments, "
+                f"or prepare with strict=False to re-prepare automatically."
+            )
+        return plan.run(values, seeds, split)
 
-    def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict, seed_key: Any) -> Plan:
-        key = (self._plan.problem.check(values, kinds), seed_key)
+    def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
+        """The plan for this call's signature (tangents included), prepared on first sight."""
+        key = (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs))
         with self._lock:
             for known, plan in self._plans:
                 if _same_key(known, key):
@@ -68,6 +69,18 @@ class Prepared:
         with self._lock:
             self._plans.append((key, plan))
         return plan
+
+
+def _raw_seed_key(seed_kwargs: dict[str, Any]) -> tuple:
+    """Which tangent keyword was given, batch size, structure and leaf layouts."""
+    key = []
+    for name in sorted(k for k, v in seed_kwargs.items() if v is not None):
+        value = seed_kwargs[name]
+        batch = len(value) if name.endswith("s") and isinstance(value, (list, tuple)) else None
+        first = value[0] if batch else value
+        leaves, spec = flatten(first)
+        key.append((name, batch, spec, tuple(array_meta(leaf) for leaf in leaves)))
+    return tuple(key)
 
 
 def _same_key(a: Any, b: Any) -> bool:
@@ -115,7 +128,7 @@ def prepare(
     if options and operator.name not in _HAS_AUX:
         raise TypeError(f"activity.{operator.name} does not take has_aux.")
     plan = Plan(operator, f, kinds, values, backend, options, op_kwargs, "prepared").compile()
-    return Prepared(plan, f, strict, options)
+    return Prepared(plan, f, strict, options, op_kwargs)
 
 
 _HAS_AUX = {"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"}

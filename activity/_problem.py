@@ -56,7 +56,7 @@ def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[st
     return kinds, tuple(arg.value for arg in args)
 
 
-def _array_meta(leaf: Any) -> tuple:
+def array_meta(leaf: Any) -> tuple:
     """What a prepared operator needs unchanged in an array: framework, shape, dtype (and torch device)."""
     if arrays.is_torch(leaf):
         return ("torch", tuple(leaf.shape), leaf.dtype, leaf.device)
@@ -117,6 +117,7 @@ class Problem:
         self.signature: list[tuple] = []
         self.diff_shapes: list[tuple[int, ...]] = []  # shapes of the flat differentiated leaves
         self.diff_dtypes: list[Any] = []
+        self.diff_frameworks: set[str | None] = set()
         self.module_names: dict[tuple[int, int], list[str]] = {}
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
@@ -137,6 +138,13 @@ class Problem:
                     f"value at {paths[index] or 'its root'}; complex differentiation is not supported. "
                     f"Split it into real and imaginary parts."
                 )
+            if isinstance(leaf, Annotation):
+                paths = paths or leaf_paths(value)
+                raise TypeError(
+                    f"activity.{self.op_name}: {ordinal(position)} ({kind.capitalize()}) holds a "
+                    f"{type(leaf).__name__}(...) at {paths[index] or 'its root'}; annotations do not nest. "
+                    f"Annotate each top-level argument once and pass plain values inside it."
+                )
             if arrays.is_torch_module(leaf):
                 role = MODULE
                 described = self.backend.describe_module(leaf)
@@ -150,7 +158,8 @@ class Problem:
                 leaf = self.backend.as_array(leaf)
                 self.diff_shapes.append(arrays.shape(leaf))
                 self.diff_dtypes.append(leaf.dtype)
-                meta = _array_meta(leaf)
+                self.diff_frameworks.add(arrays.framework(leaf))
+                meta = array_meta(leaf)
             elif kind == "cache":
                 if not arrays.is_array(leaf):
                     paths = paths or leaf_paths(value)
@@ -159,9 +168,9 @@ class Problem:
                         f"{type(leaf).__name__} at {paths[index] or 'its root'}. A Cache holds arrays "
                         f"(or a pytree of arrays) that f may overwrite; pass other values as Constant(...)."
                     )
-                role, meta = CACHE, _array_meta(leaf)
+                role, meta = CACHE, array_meta(leaf)
             elif arrays.is_array(leaf):
-                role, meta = DYNAMIC, _array_meta(leaf)
+                role, meta = DYNAMIC, array_meta(leaf)
             else:
                 role, meta = STATIC, ("static", leaf)
             roles.append(role)
@@ -220,7 +229,7 @@ class Problem:
                     xs.append(leaf)
                 else:
                     ctx.append(leaf)
-                if check and _array_meta(leaf) != metas[index]:
+                if check and array_meta(leaf) != metas[index]:
                     return None
         return tuple(xs), tuple(ctx)
 
@@ -234,9 +243,9 @@ class Problem:
                 if arrays.is_torch_module(leaf):
                     metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
                 elif kind == "active" and isinstance(leaf, float):
-                    metas.append(_array_meta(self.backend.as_array(leaf)))
+                    metas.append(array_meta(self.backend.as_array(leaf)))
                 else:
-                    metas.append(_array_meta(leaf))
+                    metas.append(array_meta(leaf))
             signature.append((kind, spec, tuple(metas)))
         return tuple(signature)
 
@@ -327,7 +336,7 @@ class Problem:
                 elif role == STATIC:
                     leaves.append(static)
                 elif role == CACHE:
-                    leaves.append(backend.fresh_cache(next(c_iter)))
+                    leaves.append(backend.fresh_cache(next(c_iter), xs[0] if xs else None))
                 elif role == DYNAMIC:
                     leaves.append(next(c_iter))
                 else:
@@ -343,15 +352,17 @@ class Problem:
     def like_active(self, flat: Sequence[Any]) -> Any:
         """Arrange one value per differentiated leaf like the Active arguments (tuple if several)."""
         it = iter(flat)
+        dtypes = iter(self.diff_dtypes)
+        cast = self.backend.cast_result
         results = []
         for position in self.active_positions:
             leaves = []
             for index, role in enumerate(self.roles[position]):
                 if role == DIFF:
-                    leaves.append(next(it))
+                    leaves.append(cast(next(it), next(dtypes)))
                 elif role == MODULE:
                     names = self.module_names[(position, index)]
-                    leaves.append({name: next(it) for name in names})
+                    leaves.append({name: cast(next(it), next(dtypes)) for name in names})
                 else:
                     leaves.append(None)
             results.append(unflatten(self.specs[position], leaves))

@@ -60,7 +60,7 @@ def _learn_type(value: Any) -> bool:
     known = _node_types.get(cls)
     if known is not None:
         return False
-    if isinstance(value, type):
+    if isinstance(value, type) or getattr(cls, "__activity_leaf__", False):
         _node_types[cls] = False
     elif _jax_registered(value):
         _register_jax_node(cls)

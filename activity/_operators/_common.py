@@ -171,7 +171,7 @@ def start(problem: Problem, f: Callable, backend: Backend, xs: tuple, ctx: tuple
     """The first lines of every pipeline: convert inputs, make ``F``."""
     xs, ctx = backend.convert_inputs(xs, ctx)
     traced = Traced()
-    return xs, traced, problem.function(f, ctx, traced, **flags)
+    return xs, traced, backend.wrap_function(problem.function(f, ctx, traced, **flags), xs)
 
 
 def input_basis(xs: tuple, backend: Backend) -> tuple:

@@ -71,9 +71,14 @@ class Backend:
         """A user's tangent leaf, in the dtype of the value it perturbs."""
         return leaf
 
-    def fresh_cache(self, leaf: Any) -> Any:
-        """The buffer ``f`` gets for a Cache leaf, made inside the current transform."""
+    def fresh_cache(self, leaf: Any, like: Any) -> Any:
+        """The buffer ``f`` gets for a Cache leaf, made inside the current transform, with a
+        dtype that holds both its own values and those of ``like`` (a differentiated leaf)."""
         return leaf
+
+    def cast_result(self, value: Any, dtype: Any) -> Any:
+        """A derivative for a leaf of ``dtype`` (finite differences compute in float64)."""
+        return value
 
     def describe_module(self, module: Any) -> Any:
         """One walk over a module: an object with ``.names`` and ``.params`` (the trainable
@@ -100,6 +105,10 @@ class Backend:
     def finalize(self, result: Any, problem: Any) -> Any:
         """Called on every operator result before it is returned."""
         return result
+
+    def wrap_function(self, F: FlatFunction, xs: Flat) -> FlatFunction:
+        """``F`` as the primitives will call it (finite differences compile it once on JAX inputs)."""
+        return F
 
     def compile(self, pipeline: Callable) -> Callable:
         """Turn a pipeline into its prepared form (JIT, where the backend has one)."""

@@ -31,7 +31,9 @@ def _to_float64(leaf: Any) -> Any:
 
 
 def _max_abs(leaves: Flat) -> float:
-    return max((float(abs(leaf).max()) for leaf in leaves if arrays.size(leaf)), default=0.0)
+    """Largest magnitude over all leaves; inf when any entry is nan (so it never looks small)."""
+    largest = max((float(abs(leaf).max()) for leaf in leaves if arrays.size(leaf)), default=0.0)
+    return math.inf if math.isnan(largest) else largest
 
 
 @attrs.frozen
@@ -40,7 +42,9 @@ class AutoFiniteDifferences(Backend):
 
     Args:
         step: the largest step tried; Ridders' method shrinks it by ``shrink``
-            up to ``max_steps`` times and extrapolates to zero step.
+            up to ``max_steps`` times and extrapolates to zero step. When the
+            error estimate stays large (or the step leaves the function's
+            domain) it starts again ten times smaller, up to ``retries`` times.
 
     >>> import numpy as np
     >>> import activity as ad
@@ -51,16 +55,20 @@ class AutoFiniteDifferences(Backend):
     step: float = 0.1
     shrink: float = 1.4
     max_steps: int = 10
+    retries: int = 4
     framework = None  # works on numpy, JAX and torch values
 
     def as_array(self, leaf: Any) -> Any:
         return np.asarray(leaf, dtype=np.float64) if isinstance(leaf, float) else leaf
 
+    def cast_result(self, value: Any, dtype: Any) -> Any:
+        return _cast(value, dtype) if arrays.is_array(value) else value
+
     def as_tangent(self, leaf: Any, dtype: Any) -> Any:
         # Converted to float64 inside the primitives, where the float64 context is active.
         return leaf if arrays.is_array(leaf) else np.asarray(leaf, dtype=np.float64)
 
-    def fresh_cache(self, leaf: Any) -> Any:
+    def fresh_cache(self, leaf: Any, like: Any) -> Any:
         if arrays.is_torch(leaf):
             return leaf.detach().to(sys.modules["torch"].float64, copy=True)
         if arrays.is_jax(leaf):
@@ -86,22 +94,51 @@ class AutoFiniteDifferences(Backend):
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
 
     def finalize(self, result: Any, problem: Any) -> Any:
+        """Results in the inputs' framework, and in their dtype where all Active leaves share one."""
         from .._problem import combine, partition
 
         dtypes = {str(d) for d in problem.diff_dtypes}
-        if dtypes == {"float64"} or not dtypes:
-            return result
         target = problem.diff_dtypes[0] if len(dtypes) == 1 else None
-        if target is None:
+        to_jax = "jax" in problem.diff_frameworks
+        if not to_jax and (target is None or dtypes == {"float64"} or dtypes == {"torch.float64"}):
             return result
         dynamic, static = partition(result)
-        return combine([_cast(leaf, target) for leaf in dynamic], static)
+        if to_jax:
+            jnp = sys.modules["jax"].numpy
+            dynamic = [jnp.asarray(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf for leaf in dynamic]
+        if target is not None:
+            dynamic = [_cast(leaf, target) for leaf in dynamic]
+        return combine(dynamic, static)
+
+    def wrap_function(self, F: FlatFunction, xs: Flat) -> FlatFunction:
+        if not any(arrays.is_jax(x) for x in xs):
+            return F
+        # Hundreds of evaluations of one function: compile it once (unless it cannot be traced),
+        # and do the difference arithmetic in numpy, where small operations are cheap.
+        jax = sys.modules["jax"]
+        jitted = jax.jit(F)
+        state = {"traceable": True}
+
+        def evaluate(xs_: Flat) -> tuple[Flat, Any]:
+            ys = None
+            if state["traceable"]:
+                try:
+                    ys, aux = jitted(xs_)
+                except jax.errors.JAXTypeError:
+                    state["traceable"] = False
+            if ys is None:
+                ys, aux = F(tuple(jax.numpy.asarray(x) for x in xs_))
+            return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
+
+        evaluate.on_host = True  # type: ignore[attr-defined]
+        return evaluate
 
     # -- primitives ------------------------------------------------------------
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         if batched:
             return self.loop_jvp(F, xs, ts)
+        xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
         ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
@@ -114,16 +151,20 @@ class AutoFiniteDifferences(Backend):
             minus, _ = F(tuple(x - h * t for x, t in zip(xs, direction)))
             return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
 
-        step = self.step
-        for _ in range(6):  # a step that leaves the domain (log of a negative) gives nan: retry smaller
-            estimate = self._ridders(central, step)
-            if all(bool(_all_finite(e)) for e in estimate) or not all(bool(_all_finite(y)) for y in ys):
+        # A first step too large for the function's scale or domain (log near 0) shows as a large
+        # error estimate or nan: start again ten times smaller, keep the best estimate.
+        best, best_error, step = None, math.inf, self.step
+        for _ in range(self.retries):
+            estimate, error = self._ridders(central, step)
+            if best is None or error < best_error:
+                best, best_error = estimate, error
+            if math.isfinite(error) and error <= 1e-11 * _max_abs(estimate):
                 break
             step /= 10
-        return ys, aux, tuple(e * scale for e in estimate)
+        return ys, aux, tuple(e * scale for e in best)
 
-    def _ridders(self, central: Callable[[float], Flat], step: float) -> Flat:
-        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method)."""
+    def _ridders(self, central: Callable[[float], Flat], step: float) -> tuple[Flat, float]:
+        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method): estimate and error."""
         factor = self.shrink**2
         previous_row = [central(step)]
         best, best_error = previous_row[0], math.inf
@@ -144,16 +185,17 @@ class AutoFiniteDifferences(Backend):
             if _max_abs(tuple(a - b for a, b in zip(row[-1], previous_row[-1]))) >= 2 * best_error:
                 break  # higher orders are dominated by rounding: stop
             previous_row = row
-        return best
+        return best, best_error
 
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        xs = _for(F, xs)
         ys, aux = F(xs)
         jacobian: list = []  # (sum of output sizes, sum of input sizes), built on first pull
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not jacobian:
                 jacobian.append(self._jacobian_matrix(F, xs))
-            cts64 = tuple(_to_float64(c) for c in cts)
+            cts64 = tuple(_to_float64(c) for c in _for(F, cts))
             if not batched:
                 cts64 = tuple(c[None] for c in cts64)
             rows = arrays.concat_flat(list(cts64)) @ jacobian[0]
@@ -170,6 +212,13 @@ class AutoFiniteDifferences(Backend):
 
         _, _, columns = self.jvp(F, xs, input_basis(xs, self), True)
         return arrays.moveaxes_front_to_back(arrays.concat_flat(list(columns)), 1)
+
+
+def _for(F: Any, leaves: Flat) -> Flat:
+    """``leaves`` as ``F`` takes them: numpy for a function evaluated on the host."""
+    if getattr(F, "on_host", False):
+        return tuple(np.asarray(leaf, dtype=np.float64) if arrays.dtype_kind(leaf) == "f" else np.asarray(leaf) for leaf in leaves)
+    return leaves
 
 
 def _all_finite(leaf: Any) -> Any:

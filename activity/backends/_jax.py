@@ -47,9 +47,11 @@ class AutoJAX(Backend):
     def as_tangent(self, leaf: Any, dtype: Any) -> Any:
         return _jax().numpy.asarray(leaf, dtype=dtype)
 
-    def fresh_cache(self, leaf: Any) -> Any:
+    def fresh_cache(self, leaf: Any, like: Any) -> Any:
         # JAX arrays are immutable: f writes with `.at[...].set(...)` and gets a traced array.
-        return _jax().numpy.asarray(leaf)
+        jnp = _jax().numpy
+        dtype = jnp.result_type(leaf, like) if like is not None else None
+        return jnp.asarray(leaf, dtype=dtype)
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         jax = _jax()

@@ -55,8 +55,11 @@ class SecondOrder(Backend):
     def as_tangent(self, leaf: Any, dtype: Any) -> Any:
         return self.inner.as_tangent(leaf, dtype)
 
-    def fresh_cache(self, leaf: Any) -> Any:
-        return self.inner.fresh_cache(leaf)
+    def fresh_cache(self, leaf: Any, like: Any) -> Any:
+        return self.inner.fresh_cache(leaf, like)
+
+    def cast_result(self, value: Any, dtype: Any) -> Any:
+        return self.outer.cast_result(self.inner.cast_result(value, dtype), dtype)
 
     def describe_module(self, module: Any) -> Any:
         return self.inner.describe_module(module)

@@ -188,12 +188,12 @@ class AutoTorch(Backend):
             return leaf if leaf.dtype == dtype else leaf.to(dtype)
         return torch.as_tensor(leaf, dtype=dtype)
 
-    def fresh_cache(self, leaf: Any) -> Any:
+    def fresh_cache(self, leaf: Any, like: Any) -> Any:
         # Made here, inside the transform, so f may write into it in place.
         torch = _torch()
         tensor = leaf if isinstance(leaf, torch.Tensor) else torch.as_tensor(leaf)
-        if not tensor.dtype.is_floating_point:
-            return tensor.to(torch.get_default_dtype())
+        if like is not None and like.dtype != tensor.dtype:
+            return tensor.detach().to(torch.promote_types(tensor.dtype, like.dtype), copy=True)
         return tensor.detach().clone() if not _inside_functorch() else tensor.clone()
 
     def describe_module(self, module: Any) -> ModuleDescription:

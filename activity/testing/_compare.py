@@ -1,0 +1,114 @@
+"""`assert_tree_allclose`: compare two pytrees leaf by leaf, by path, in float64."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from .. import _arrays as arrays
+from .._tree import flatten, leaf_paths
+
+
+def to_float64(leaf: Any) -> np.ndarray:
+    """A float64 numpy copy of any array or number (torch tensors leave their device)."""
+    if arrays.is_torch(leaf):
+        return leaf.detach().cpu().double().numpy()
+    return np.asarray(leaf, dtype=np.float64)
+
+
+def _ignored(path: str, ignore: Any) -> bool:
+    if ignore is None:
+        return False
+    if callable(ignore):
+        return bool(ignore(path))
+    entries = [ignore] if isinstance(ignore, str) else list(ignore)
+    return any(path == entry or path.startswith(entry + ".") or path.startswith(entry + "[") for entry in entries)
+
+
+def _worst(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> str:
+    error = np.abs(actual - expected)
+    excess = error - (atol + rtol * np.abs(expected))
+    excess = np.where(np.isnan(excess), np.inf, excess)
+    index = np.unravel_index(int(np.argmax(excess)), excess.shape) if excess.ndim else ()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = error / np.abs(expected)
+    max_rel = float(np.nanmax(np.where(expected == 0, np.where(error == 0, 0.0, np.inf), relative))) if error.size else 0.0
+    where = f" at index {tuple(int(i) for i in index)}" if index else ""
+    return (
+        f"max abs error {float(np.nanmax(error)) if error.size else 0.0:.3g}, max rel error {max_rel:.3g}; "
+        f"worst{where}: got {actual[index]!r}, expected {expected[index]!r}"
+    )
+
+
+def assert_tree_allclose(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float,
+    atol: float,
+    ignore: str | Iterable[str] | Callable[[str], bool] | None = None,
+) -> int:
+    """Assert two pytrees have the same structure and close floating leaves.
+
+    Every floating leaf is compared in float64 as ``|a - e| <= atol + rtol * |e|``
+    (NaN equals NaN in the same place); other leaves must be equal; ``None``
+    against ``None`` is skipped. The error lists every mismatching path with its
+    max absolute and relative error and worst index. ``ignore`` skips paths (a
+    path string, prefixes of paths, or a predicate). Comparing no leaf at all
+    is an error: a check that checks nothing must not pass. Returns the number
+    of leaves compared.
+
+    >>> import numpy as np
+    >>> from activity.testing import assert_tree_allclose
+    >>> assert_tree_allclose({"w": np.ones(2)}, {"w": np.ones(2) + 1e-9}, rtol=1e-6, atol=0)
+    1
+    """
+    actual_leaves, actual_spec = flatten(actual)
+    expected_leaves, expected_spec = flatten(expected)
+    if actual_spec != expected_spec:
+        raise AssertionError(
+            f"pytree structures differ:\n  actual:   {actual_spec}\n  expected: {expected_spec}"
+        )
+    paths = leaf_paths(expected) if expected_leaves else []
+    failures, compared = [], 0
+    for path, a, e in zip(paths, actual_leaves, expected_leaves):
+        label = path or "(root)"
+        if _ignored(path, ignore):
+            continue
+        numeric = (arrays.is_array(a) or isinstance(a, (int, float))) and (
+            arrays.is_array(e) or isinstance(e, (int, float))
+        )
+        kinds = {arrays.dtype_kind(a), arrays.dtype_kind(e)} if numeric else set()
+        if not numeric or not kinds & {"f", "c"}:
+            if numeric:
+                equal = np.array_equal(to_float64(a), to_float64(e))
+            else:
+                equal = a is e or _safe_equal(a, e)
+            if not equal:
+                failures.append(f"  {label}: {a!r:.80} != {e!r:.80}")
+            compared += 1
+            continue
+        a64, e64 = to_float64(a), to_float64(e)
+        compared += 1
+        if a64.shape != e64.shape:
+            failures.append(f"  {label}: shape {a64.shape} != expected shape {e64.shape}")
+            continue
+        close = np.isclose(a64, e64, rtol=rtol, atol=atol, equal_nan=True)
+        if not close.all():
+            failures.append(f"  {label}: {int((~close).sum())} of {close.size} entries differ; {_worst(a64, e64, rtol, atol)}")
+    if failures:
+        raise AssertionError(f"{len(failures)} of {compared} leaves differ (rtol={rtol}, atol={atol}):\n" + "\n".join(failures))
+    if compared == 0:
+        raise AssertionError(
+            "assert_tree_allclose compared no leaf at all (empty trees, or everything ignored); "
+            "a comparison that checks nothing does not pass."
+        )
+    return compared
+
+
+def _safe_equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - == that is not a bool means "not comparable": unequal
+        return False

@@ -1,0 +1,121 @@
+"""`Scenario`: one operator applied to one function at given annotated arguments."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import attrs
+
+from .. import _arrays as arrays
+from .._annotations import Annotation
+from .._operators._common import operator_of
+from .._tree import flatten
+
+
+def _operator_function(op: Any) -> Callable:
+    import activity
+
+    return getattr(activity, operator_of(op).name)
+
+
+@attrs.define(eq=False, repr=False)
+class Scenario:
+    """One test case: ``op(f, *args)``, its expected result and tolerances.
+
+    ``op`` is an operator function or its name; ``args`` are annotated; ``result``
+    is the expected result (computed once by the reference backend when None);
+    ``tangent`` is the tangent or cotangent the operator needs (``tangents`` a
+    batch of them); ``prep_args`` are other values of the same kinds to
+    prepare with, so a prepared operator that reuses its preparation values
+    fails; ``options`` are extra operator keywords such as ``has_aux``.
+
+    >>> import numpy as np
+    >>> import activity as ad
+    >>> from activity.testing import Scenario
+    >>> s = Scenario("gradient", lambda x: (x**2).sum(), (ad.Active(np.array([1.0, 2.0])),), name="square")
+    >>> s.name, s.run(ad.AutoFiniteDifferences())
+    ('square', array([2., 4.]))
+    """
+
+    op: Any = attrs.field(converter=lambda op: operator_of(op).name)
+    f: Callable
+    args: tuple = attrs.field(converter=tuple)
+    result: Any = attrs.field(default=None, kw_only=True)
+    tangent: Any = attrs.field(default=None, kw_only=True)
+    tangents: Sequence[Any] | None = attrs.field(default=None, kw_only=True)
+    prep_args: tuple | None = attrs.field(default=None, kw_only=True)
+    name: str | None = attrs.field(default=None, kw_only=True)
+    rtol: float | None = attrs.field(default=None, kw_only=True)
+    atol: float | None = attrs.field(default=None, kw_only=True)
+    options: dict = attrs.field(factory=dict, kw_only=True)
+    _expected: dict = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        for position, arg in enumerate(self.args):
+            if not isinstance(arg, Annotation):
+                raise TypeError(
+                    f"Scenario {self.name!r}: argument {position} is an unannotated {type(arg).__name__}; "
+                    f"wrap it as Active(...), Constant(...) or Cache(...)."
+                )
+        if self.name is None:
+            self.name = f"{self.op}-{getattr(self.f, '__name__', 'f')}"
+        seed = operator_of(self.op).seed
+        if seed is not None and (self.tangent is None) == (self.tangents is None):
+            raise TypeError(f"Scenario {self.name!r}: {self.op} needs exactly one of tangent= or tangents=.")
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{type(a).__name__}({type(a.value).__name__})" for a in self.args)
+        return f"Scenario({self.name!r}, {self.op}({kinds}))"
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(a.kind for a in self.args)
+
+    @property
+    def framework(self) -> str:
+        """``"torch"``, ``"jax"`` or ``"numpy"``: the framework of the arguments' arrays."""
+        found = set()
+        for arg in self.args:
+            leaves, _ = flatten(arg.value)
+            found.update(arrays.framework(leaf) for leaf in leaves)
+        for name in ("torch", "jax"):
+            if name in found:
+                return name
+        return "numpy"
+
+    def seed_kwargs(self) -> dict[str, Any]:
+        seed = operator_of(self.op).seed
+        if seed is None:
+            return {}
+        return {seed: self.tangent} if self.tangents is None else {seed + "s": list(self.tangents)}
+
+    def run(self, backend: Any, prepared: bool = False) -> Any:
+        """The operator's result on ``backend``; prepared on ``prep_args`` when asked."""
+        import activity
+
+        op = _operator_function(self.op)
+        seeds = self.seed_kwargs()
+        if not prepared:
+            return op(self.f, *self.args, backend=backend, **self.options, **seeds)
+        prep = activity.prepare(op, self.f, *(self.prep_args or self.args), backend=backend, **self.options, **seeds)
+        return prep(*self.args, **seeds)
+
+    def expected(self, reference: Any = None) -> Any:
+        """``result``, or the reference backend's result (computed once, on copies)."""
+        if self.result is not None:
+            return self.result
+        import activity
+
+        reference = reference or activity.AutoFiniteDifferences()
+        key = repr(reference)
+        if key not in self._expected:
+            self._expected[key] = self.run(reference)
+        return self._expected[key]
+
+    def evolve(self, **changes: Any) -> "Scenario":
+        """A copy with ``changes`` (the expected result is kept unless ``result`` changes)."""
+        new = attrs.evolve(self, **changes)
+        if "result" not in changes and not {"f", "args", "op"} & set(changes):
+            new._expected.update(self._expected)
+        return new
+
