@@ -21,6 +21,7 @@ scalar) and a vector function whose Jacobian goes through the reverse branch
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import jax
@@ -767,6 +768,31 @@ def test_has_aux(op, f, backend, prepared, assert_tree_close, intact):
     assert_tree_close(result, expected, **cfg.tol[1], framework=cfg.framework)
 
 
+@pytest.mark.parametrize("prepared", [False, True], ids=["unprepared", "prepared"])
+@pytest.mark.parametrize("backend", BACKEND_IDS)
+def test_has_aux_on_the_forward_jacobian_branch(backend, prepared, assert_tree_close):
+    """More outputs than inputs: the forward branch, which must carry aux too."""
+    cfg = CONFIGS[backend]
+    rng = np.random.default_rng(11)
+    x = cfg.convert(rng.uniform(-1, 1, 2))
+
+    def f(x):
+        xp = xp_of(x)
+        return xp.concatenate([xp.sin(x), x**2]), {"sum": xp.sum(x), "tag": "a"}
+
+    if prepared:
+        result = ad.prepare(ad.value_and_jacobian, f, Active(cfg.convert(rng.uniform(-1, 1, 2))),
+                            backend=cfg.backend, has_aux=True)(x)
+    else:
+        result = ad.value_and_jacobian(f, Active(x), backend=cfg.backend, has_aux=True)
+    x64 = as64(x)
+    expected = (
+        (np.concatenate([np.sin(x64), x64**2]), {"sum": np.sum(x64), "tag": "a"}),
+        np.concatenate([np.diag(np.cos(x64)), np.diag(2 * x64)]),
+    )
+    assert_tree_close(result, expected, **cfg.tol[1], framework=cfg.framework, dtype=cfg.dtype)
+
+
 # ============================================================================ pytree outputs
 
 
@@ -939,3 +965,75 @@ def test_constant_non_array_values(assert_tree_close):
             g = ad.gradient(f, Active(x), Constant(config), Constant("model"))
         data = np.arange(3.0)
         assert_tree_close(g, 2.0 * data * sech2(as64(x) * data), rtol=1e-5, atol=1e-6, framework="jax")
+
+
+@pytest.mark.parametrize(
+    "backend, cache_dtype",
+    [
+        pytest.param("AutoJAX", jnp.float16, id="AutoJAX-float16"),
+        pytest.param("AutoJAX", jnp.int32, id="AutoJAX-int32"),
+        pytest.param("AutoFiniteDifferences", np.float16, id="AutoFiniteDifferences-float16"),
+        pytest.param("AutoFiniteDifferences", np.int64, id="AutoFiniteDifferences-int64"),
+    ],
+)
+def test_cache_buffer_can_hold_the_differentiated_values(backend, cache_dtype, assert_tree_close):
+    """The contract: f gets a buffer "whose dtype can hold the values being differentiated",
+    whatever the dtype of the user's (scratch) buffer."""
+    cfg = CONFIGS[backend]
+    case = CacheCase()
+    rng = np.random.default_rng(9)
+    x = cfg.convert(rng.uniform(-1, 1, 3))
+    xp = jnp if backend == "AutoJAX" else np
+    buf = xp.zeros(3, dtype=cache_dtype)
+    g = ad.gradient(case.scalar_f, Active(x), Cache(buf), backend=cfg.backend)
+    assert_tree_close(g, case.grad_s({"x": as64(x)}), **cfg.tol[1], framework=cfg.framework, dtype=cfg.dtype)
+
+
+def test_finite_differences_keep_each_inputs_dtype(assert_tree_close):
+    """Values come back in the dtype of the inputs: one float32 and one float64 Active."""
+    rng = np.random.default_rng(10)
+    a, b = rng.uniform(-1, 1, 2).astype(np.float32), rng.uniform(-1, 1, 3)
+    f = lambda a, b: np.sum(np.sin(a)) * np.sum(b * b)  # noqa: E731
+    ga, gb = ad.gradient(f, Active(a), Active(b), backend=ad.AutoFiniteDifferences())
+    a64 = a.astype(np.float64)
+    assert_tree_close(gb, 2 * b * np.sum(np.sin(a64)), rtol=1e-8, atol=1e-8, dtype=np.float64)
+    assert_tree_close(ga, np.cos(a64) * np.sum(b * b), rtol=1e-6, atol=1e-7, dtype=np.float32)
+
+
+FD_ACCURACY = [
+    pytest.param(lambda x: np.sum(np.exp(5 * x)), lambda x: 5 * np.exp(5 * x), 1.0, id="exp(5x)"),
+    pytest.param(lambda x: np.sum(np.sin(20 * x)), lambda x: 20 * np.cos(20 * x), 1.0, id="sin(20x)"),
+    pytest.param(lambda x: 1e-8 * np.sum(x**3), lambda x: 3e-8 * x**2, 1.0, id="tiny-scale"),
+    pytest.param(lambda x: 1e8 * np.sum(np.tanh(x)), lambda x: 1e8 * sech2(x), 1.0, id="huge-scale"),
+    pytest.param(lambda x: np.sum(np.sin(x)), lambda x: np.cos(x), 1000.0, id="large-inputs"),
+    pytest.param(lambda x: np.sum(np.log(x)), lambda x: 1 / x, 0.05, id="log-near-its-domain-boundary"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("f, grad, scale", FD_ACCURACY)
+def test_finite_differences_are_accurate_to_1e8_on_smooth_functions(f, grad, scale, assert_tree_close):
+    x = scale * np.array([0.9, 0.4, 1.3])
+    g = ad.gradient(f, Active(x), backend=ad.AutoFiniteDifferences())
+    assert_tree_close(g, grad(x), rtol=1e-8, atol=0, framework="numpy", dtype=np.float64)
+
+
+def _untraceable(x):
+    """No AD system can trace this: it leaves the framework, converts to Python floats and branches."""
+    total = 0.0
+    for xi in np.asarray(x, dtype=np.float64).tolist():
+        total += math.sin(xi) if xi > 0 else xi * xi
+    return np.asarray(total)
+
+
+@pytest.mark.parametrize("to, framework, dtype", [
+    pytest.param(lambda x: x, "numpy", np.float64, id="numpy-float64"),
+    pytest.param(to_jax32, "jax", np.float32, id="jax-float32"),
+])
+def test_finite_differences_work_on_untraceable_functions(to, framework, dtype, assert_tree_close):
+    x = to(np.array([0.5, -0.7, 1.2]))
+    g = ad.gradient(_untraceable, Active(x), backend=ad.AutoFiniteDifferences())
+    x64 = as64(x)
+    expected = np.where(x64 > 0, np.cos(x64), 2 * x64)
+    tol = 1e-8 if framework == "numpy" else 1e-6
+    assert_tree_close(g, expected, rtol=tol, atol=tol, framework=framework, dtype=dtype)

@@ -48,6 +48,13 @@ def loss_grad(w, X, y):
 # ---------------------------------------------------------------- no recompilation
 
 
+def loss_hvp(w, X, y, t):
+    """Hessian of 0.5 |tanh(Xw) - y|^2 times t: X^T diag(s^2 + r * (-2 tanh(z) s)) X t, s = sech^2(z)."""
+    z = X @ w
+    r, s = np.tanh(z) - y, sech2(z)
+    return X.T @ ((s * s - 2 * r * np.tanh(z) * s) * (X @ t))
+
+
 NO_RECOMPILE_OPS = [
     pytest.param(ad.gradient, {}, lambda w, X, y, s: loss_grad(w, X, y), id="gradient"),
     pytest.param(
@@ -58,10 +65,11 @@ NO_RECOMPILE_OPS = [
     ),
     pytest.param(
         ad.pullback,
-        {"cotangent": "scalar"},
+        {"cotangent": ()},
         lambda w, X, y, s: s["cotangent"] * loss_grad(w, X, y),
         id="pullback",
     ),
+    pytest.param(ad.hvp, {"tangent": (3,)}, lambda w, X, y, s: loss_hvp(w, X, y, s["tangent"]), id="hvp"),
 ]
 
 
@@ -81,7 +89,7 @@ def test_new_constant_batches_never_recompile(op, seed, expected, assert_tree_cl
         return (f32(rng.normal(size=(5, 3))), f32(rng.normal(size=5)))
 
     def new_seed():
-        return {k: f32(rng.normal()) for k in seed}
+        return {k: f32(rng.normal(size=shape)) for k, shape in seed.items()}
 
     prepared = ad.prepare(op, counted_loss, Active(w), Constant(new_batch()), backend=ad.AutoJAX(), **new_seed())
     baseline = None
@@ -287,3 +295,41 @@ def test_prepared_inside_outer_grad_does_not_leak_tracers(assert_tree_close):
     value, grad = prep(w0, c0)
     w, c = np64(w0), np64(c0)
     assert_tree_close((value, grad), (np.sum(np.sin(w * c)), c * np.cos(w * c)), **JAX_TOL, framework="jax")
+
+
+@pytest.mark.parametrize("backend", ["AutoJAX", "AutoFiniteDifferences"])
+def test_non_strict_new_active_shape_with_a_per_call_tangent(backend, assert_tree_close):
+    """strict=False re-prepares for a new Active shape; the tangent of that call has the new shape."""
+    to, tol = (f32, JAX_TOL) if backend == "AutoJAX" else (np64, FD_TOL)
+    xp = jnp if backend == "AutoJAX" else np
+    rng = np.random.default_rng(11)
+    b = getattr(ad, backend)()
+    push = ad.prepare(ad.pushforward, lambda x: xp.sin(x), Active(to(rng.normal(size=3))),
+                      tangent=to(rng.normal(size=3)), backend=b, strict=False)
+    hvp = ad.prepare(ad.hvp, lambda x: xp.sum(xp.sin(x)), Active(to(rng.normal(size=3))),
+                     tangent=to(rng.normal(size=3)), backend=b, strict=False)
+    x, t = to(rng.normal(size=5)), to(rng.normal(size=5))
+    assert_tree_close(push(x, tangent=t), np.cos(np64(x)) * np64(t), **tol)
+    assert_tree_close(hvp(x, tangent=t), -np.sin(np64(x)) * np64(t), **tol)
+
+
+def test_non_strict_kind_change_with_a_per_call_tangent(assert_tree_close):
+    """Active(x), Active(y) re-prepared as Active(x), Constant(y): the tangent is then x's alone."""
+    rng = np.random.default_rng(12)
+    x, y = f32(rng.normal(size=2)), f32(rng.normal(size=2))
+    f = lambda x, y: jnp.sum(x * x * y)  # noqa: E731
+    prepared = ad.prepare(ad.hvp, f, Active(x), Active(y), tangent=(x, y), strict=False)
+    t = f32(rng.normal(size=2))
+    assert_tree_close(prepared(Active(x), Constant(y), tangent=t), 2 * np64(y) * np64(t), **JAX_TOL)
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "non-strict"])
+@pytest.mark.parametrize("backend", ["AutoJAX", "AutoFiniteDifferences"])
+def test_python_float_actives_and_tangents_when_prepared(backend, strict, assert_tree_close):
+    b = getattr(ad, backend)()
+    tol = JAX_TOL if backend == "AutoJAX" else FD_TOL
+    push = ad.prepare(ad.pushforward, lambda t: t**3, Active(2.0), tangent=1.0, backend=b, strict=strict)
+    assert_tree_close(push(3.0, tangent=0.5), np.asarray(3 * 9.0 * 0.5), **tol)
+    pull = ad.prepare(ad.pullback, lambda a, b: a * a * b, Active(2.0), Active(1.0), cotangent=1.0, backend=b,
+                      strict=strict)
+    assert_tree_close(pull(3.0, 0.5, cotangent=2.0), (np.asarray(2 * 2 * 3.0 * 0.5), np.asarray(2 * 9.0)), **tol)
