@@ -125,8 +125,10 @@ def prepare(
     operator = operator_of(op)
     kinds, values = parse_arguments(operator.name, f, args)
     options = {k: op_kwargs.pop(k) for k in list(op_kwargs) if k == "has_aux"}
-    if options and operator.name not in _HAS_AUX:
-        raise TypeError(f"activity.{operator.name} does not take has_aux.")
+    if options.get("has_aux") and operator.name not in _HAS_AUX:
+        raise TypeError(f"activity.{operator.name} does not take has_aux; it is for {', '.join(sorted(_HAS_AUX))}.")
+    if operator.name not in _HAS_AUX:
+        options = {}
     plan = Plan(operator, f, kinds, values, backend, options, op_kwargs, "prepared").compile()
     return Prepared(plan, f, strict, options, op_kwargs)
 

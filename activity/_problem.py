@@ -25,6 +25,11 @@ DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "st
 _WRAPPERS = "Active(x) to differentiate it, Constant(x) for data, or Cache(x) for scratch space f may overwrite"
 
 
+def a(noun: str) -> str:
+    """``noun`` with its indefinite article: "a float", "an Active"."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
 def ordinal(position: int) -> str:
     return f"argument {position} (counting from 0 after f)"
 
@@ -131,7 +136,7 @@ class Problem:
         paths = None
         for index, leaf in enumerate(leaves):
             dkind = arrays.dtype_kind(leaf)
-            if dkind == "c":
+            if dkind == "c" and kind != "constant":
                 paths = paths or leaf_paths(value)
                 raise UnsupportedError(
                     f"activity.{self.op_name} on {self.backend!r}: {ordinal(position)} ({kind}) holds a complex "
@@ -164,8 +169,8 @@ class Problem:
                 if not arrays.is_array(leaf):
                     paths = paths or leaf_paths(value)
                     raise TypeError(
-                        f"activity.{self.op_name}: {ordinal(position)} is a Cache holding a "
-                        f"{type(leaf).__name__} at {paths[index] or 'its root'}. A Cache holds arrays "
+                        f"activity.{self.op_name}: {ordinal(position)} is a Cache holding "
+                        f"{a(type(leaf).__name__)} at {paths[index] or 'its root'}. A Cache holds arrays "
                         f"(or a pytree of arrays) that f may overwrite; pass other values as Constant(...)."
                     )
                 role, meta = CACHE, array_meta(leaf)
@@ -312,7 +317,7 @@ class Problem:
             if not (arrays.is_array(y) or isinstance(y, float)) or arrays.dtype_kind(y) != "f":
                 where = leaf_paths(out)[index] or "its output"
                 raise TypeError(
-                    f"activity.{self.op_name}: f returned a {type(y).__name__} "
+                    f"activity.{self.op_name}: f returned {a(type(y).__name__)} "
                     f"{'of dtype ' + str(y.dtype) + ' ' if hasattr(y, 'dtype') else ''}at {where}; "
                     f"outputs must be floating-point arrays or floats."
                 )
@@ -411,7 +416,7 @@ class Problem:
 
         if not (arrays.is_array(leaf) or isinstance(leaf, (float, int))) or arrays.dtype_kind(leaf) not in "fi":
             raise ValueError(
-                f"activity.{self.op_name}: {where()} is a {type(leaf).__name__}; it must be a float array "
+                f"activity.{self.op_name}: {where()} is {a(type(leaf).__name__)}; it must be a float array "
                 f"of shape {shape}."
             )
         if arrays.dtype_kind(leaf) != "f":

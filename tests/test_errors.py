@@ -127,10 +127,10 @@ def test_non_scalar_output_where_a_scalar_is_needed(op, kwargs, backend):
 @pytest.mark.parametrize(
     "out, match",
     [
-        pytest.param(lambda x: jnp.arange(3), r"f returned a \w+ of dtype int32 at its output.*floating-point", id="int-array"),
+        pytest.param(lambda x: jnp.arange(3), r"f returned an? \w+ of dtype int32 at its output.*floating-point", id="int-array"),
         pytest.param(lambda x: "text", r"f returned a str.*floating-point", id="str"),
         pytest.param(lambda x: None, r"f returned None, which holds no array", id="None"),
-        pytest.param(lambda x: {"a": jnp.sum(x), "n": 3}, r"f returned a int at \['n'\]", id="int-leaf-in-dict"),
+        pytest.param(lambda x: {"a": jnp.sum(x), "n": 3}, r"f returned an int at \['n'\]", id="int-leaf-in-dict"),
     ],
 )
 def test_non_floating_output(out, match):

@@ -13,7 +13,7 @@ import attrs
 
 from .. import _arrays as arrays
 from .._errors import UnsupportedError
-from .._problem import Problem, Traced, parse_arguments
+from .._problem import Problem, Traced, a, parse_arguments
 from .._tree import flatten
 from ..backends import Backend, resolve_backend
 from ..backends._base import stack_batch
@@ -101,7 +101,7 @@ def _encode_cotangent(tree: Any, what: str) -> tuple[tuple, Any]:
     leaves, spec = flatten(tree)
     for leaf in leaves:
         if not (arrays.is_array(leaf) or isinstance(leaf, float)) or arrays.dtype_kind(leaf) != "f":
-            raise ValueError(f"{what} must be a float array or a pytree of them, got a {type(leaf).__name__} leaf.")
+            raise ValueError(f"{what} must be a float array or a pytree of them, got {a(type(leaf).__name__)} leaf.")
     return tuple(leaves), spec
 
 
@@ -123,7 +123,7 @@ class Plan:
         for kind in dict.fromkeys(kinds):
             if not backend.supports(operator.name, kind, mode):
                 raise UnsupportedError(
-                    f"{backend!r} does not support activity.{operator.name} with a {kind.capitalize()} "
+                    f"{backend!r} does not support activity.{operator.name} with {a(kind.capitalize())} "
                     f"argument ({mode}). See the support table: {type(backend).__name__}().capabilities()."
                 )
         self.operator, self.backend = operator, backend
@@ -142,7 +142,7 @@ class Plan:
                 if role == "module" or (role == "diff" and arrays.shape(leaf) != ()):
                     raise ValueError(
                         f"activity.{self.operator.name} differentiates with respect to scalars, but Active "
-                        f"argument {position} holds a {type(leaf).__name__} of shape {arrays.shape(leaf)}. "
+                        f"argument {position} holds {a(type(leaf).__name__)} of shape {arrays.shape(leaf)}. "
                         f"Use activity.jacobian or activity.pushforward for array inputs."
                     )
 

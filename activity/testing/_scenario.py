@@ -48,6 +48,8 @@ class Scenario:
     rtol: float | None = attrs.field(default=None, kw_only=True)
     atol: float | None = attrs.field(default=None, kw_only=True)
     options: dict = attrs.field(factory=dict, kw_only=True)
+    # (scenario, function): the expected result is function(scenario's expected result); set by transforms
+    derived_from: tuple | None = attrs.field(default=None, kw_only=True)
     _expected: dict = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -104,6 +106,9 @@ class Scenario:
         """``result``, or the reference backend's result (computed once, on copies)."""
         if self.result is not None:
             return self.result
+        if self.derived_from is not None:
+            source, transform = self.derived_from
+            return transform(source.expected(reference))
         import activity
 
         reference = reference or activity.AutoFiniteDifferences()
@@ -112,10 +117,8 @@ class Scenario:
             self._expected[key] = self.run(reference)
         return self._expected[key]
 
-    def evolve(self, **changes: Any) -> "Scenario":
-        """A copy with ``changes`` (the expected result is kept unless ``result`` changes)."""
-        new = attrs.evolve(self, **changes)
-        if "result" not in changes and not {"f", "args", "op"} & set(changes):
-            new._expected.update(self._expected)
-        return new
+    def derive(self, transform: Callable[[Any], Any] = lambda result: result, **changes: Any) -> "Scenario":
+        """A new scenario whose expected result is ``transform`` of this one's (no new reference run)."""
+        result = None if self.result is None else transform(self.result)
+        return attrs.evolve(self, result=result, derived_from=None if result is not None else (self, transform), **changes)
 

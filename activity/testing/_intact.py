@@ -1,0 +1,88 @@
+"""Snapshots that prove a call changed nothing: arrays bitwise, modules whole, global RNGs."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import numpy as np
+
+from .. import _arrays as arrays
+from .._tree import flatten, leaf_paths
+
+
+def _copy(leaf: Any) -> Any:
+    if arrays.is_torch(leaf):
+        return ("tensor", leaf.detach().clone(), leaf.requires_grad, None if leaf.grad is None else leaf.grad.clone())
+    if arrays.is_torch_module(leaf):
+        return (
+            "module",
+            {k: v.detach().clone() for k, v in leaf.state_dict(keep_vars=True).items()},
+            [(p.requires_grad, None if p.grad is None else p.grad.clone()) for p in leaf.parameters()],
+            [m.training for m in leaf.modules()],
+        )
+    if arrays.is_array(leaf):
+        return ("array", np.array(leaf, copy=True))
+    return ("other", leaf)
+
+
+def _same(before: Any, leaf: Any) -> bool:
+    now = _copy(leaf)
+    kind = before[0]
+    if kind != now[0]:
+        return False
+    if kind == "array":
+        return before[1].dtype == now[1].dtype and np.array_equal(before[1], now[1], equal_nan=True)
+    if kind == "tensor":
+        import torch
+
+        same_grad = (before[3] is None and now[3] is None) or (
+            before[3] is not None and now[3] is not None and torch.equal(before[3], now[3])
+        )
+        return torch.equal(before[1], now[1]) and before[2] == now[2] and same_grad
+    if kind == "module":
+        import torch
+
+        if before[1].keys() != now[1].keys() or before[3] != now[3]:
+            return False
+        if not all(torch.equal(before[1][k], now[1][k]) for k in before[1]):
+            return False
+        return [(r, g is None) for r, g in before[2]] == [(r, g is None) for r, g in now[2]]
+    return True
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"random": random.getstate(), "numpy": np.random.get_state()[1].copy()}
+    if "torch" in sys.modules:
+        states["torch"] = sys.modules["torch"].random.get_rng_state().clone()
+    return states
+
+
+class Snapshot:
+    """The state of some arguments and of the global RNGs, to compare after a call."""
+
+    def __init__(self, args: tuple):
+        self.args = args
+        self.leaves = [[_copy(leaf) for leaf in flatten(a.value)[0]] for a in args]
+        self.rng = _rng_states()
+
+    def changes(self) -> list[str]:
+        """What differs now: argument paths (Active and Constant) and RNG names."""
+        found = []
+        for position, (arg, before) in enumerate(zip(self.args, self.leaves)):
+            if arg.kind == "cache":  # its content after a call is unspecified
+                continue
+            leaves = flatten(arg.value)[0]
+            for index, (old, leaf) in enumerate(zip(before, leaves)):
+                if not _same(old, leaf):
+                    path = leaf_paths(arg.value)[index] or ""
+                    found.append(f"argument {position} ({arg.kind}){path} was modified")
+        now = _rng_states()
+        for name, state in self.rng.items():
+            same = np.array_equal(np.asarray(state), np.asarray(now[name])) if name != "random" else state == now[name]
+            if name == "torch":
+                same = bool(sys.modules["torch"].equal(state, now[name]))
+            if not same:
+                found.append(f"the global {name} RNG state changed")
+        return found
