@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean flake
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,9 +17,14 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
+	$(PY) -m activity.testing
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The 200-seed sweep of the torch catalogue against finite differences (about 35 minutes).
+flake: $(STAMP)
+	ACTIVITY_FLAKE_SEEDS=200 $(PY) -m pytest -q -p no:cacheprovider tests/test_flakes.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -9,6 +9,7 @@
 
 from ._compare import assert_tree_allclose
 from ._default import default_scenarios
+from ._plugin import Case, parametrize
 from ._runner import Outcome, Report, check_scenario, test_differentiation
 from ._scenario import Scenario
 from ._transforms import batchify, cachify, closurify, constantify
@@ -51,4 +52,6 @@ __all__ = [
     "check_scenario",
     "Report",
     "Outcome",
+    "Case",
+    "parametrize",
 ]

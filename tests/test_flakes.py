@@ -1,0 +1,23 @@
+"""The torch catalogue against its float64 finite-difference reference, seed after seed.
+
+References must never flake. `make test` runs a few seeds; `make flake` runs
+200 (ACTIVITY_FLAKE_SEEDS=200), the check whose result the project reports.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import activity as ad
+from activity.testing import nn_scenarios, test_differentiation
+
+SEEDS = int(os.environ.get("ACTIVITY_FLAKE_SEEDS", "3"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_torch_catalogue_passes_on_every_seed(seed):
+    report = test_differentiation([ad.AutoTorch()], nn_scenarios("torch", seed=seed))
+    assert report.counts() == {"pass": len(report.scenarios), "FAIL": 0, "unsupported": 0}
