@@ -15,29 +15,12 @@ from typing import Any, Callable, ClassVar, Sequence
 import attrs
 
 from .. import _arrays as arrays
+from .._operators._names import OPERATORS
 
 # F(xs) -> (output leaves, dynamic aux). `pull(cts, batched)` -> gradients like xs.
 Flat = tuple
 FlatFunction = Callable[[Flat], "tuple[Flat, Any]"]
 
-OPERATORS = (
-    "derivative",
-    "value_and_derivative",
-    "second_derivative",
-    "value_derivative_and_second_derivative",
-    "gradient",
-    "value_and_gradient",
-    "jacobian",
-    "value_and_jacobian",
-    "pushforward",
-    "value_and_pushforward",
-    "pullback",
-    "value_and_pullback",
-    "hessian",
-    "value_gradient_and_hessian",
-    "hvp",
-    "gradient_and_hvp",
-)
 KINDS = ("active", "constant", "cache")
 MODES = ("unprepared", "prepared")
 
