@@ -131,8 +131,3 @@ def ones_like(x: Any) -> Any:
 
 def zeros_like(x: Any) -> Any:
     return namespace(x).zeros_like(x)
-
-
-def tensordot_last_first(a: Any, b: Any) -> Any:
-    """``sum_k a[..., k] * b[k, ...]`` with ``a`` of shape (..., K) and ``b`` of shape (K, ...)."""
-    return namespace(a).tensordot(a, b, 1) if not is_torch(a) else sys.modules["torch"].tensordot(a, b, dims=1)

@@ -436,17 +436,6 @@ class Problem:
         dummy = unflatten(self.specs[position], list(range(self.specs[position].num_leaves)))
         return leaf_paths(dummy)[index]
 
-    def flat_like_output(self, tree: Any, traced: Traced, what: str) -> tuple:
-        """A user's cotangent as flat leaves matching ``f``'s output, checked."""
-        leaves, spec = flatten(tree)
-        if spec != traced.out_spec:
-            raise ValueError(
-                f"activity.{self.op_name}: {what} must have the structure of f's output: expected "
-                f"{traced.out_spec}, got {spec}."
-            )
-        return tuple(leaves)
-
-
 def _same_meta(expected: tuple, actual: tuple) -> bool:
     if expected[0] == "static" and actual[0] == "static":
         try:

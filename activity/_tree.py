@@ -108,9 +108,3 @@ def _codify(accessor: Any) -> str:
         else:
             parts.append(entry.codify(""))
     return "".join(parts)
-
-
-def structure_difference(expected: optree.PyTreeSpec, got: Any) -> str:
-    """Describe how ``got`` differs in structure from ``expected``, for error messages."""
-    _, spec = flatten(got)
-    return f"expected structure {expected}, got {spec}"

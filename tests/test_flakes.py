@@ -13,11 +13,14 @@ import pytest
 import activity as ad
 from activity.testing import nn_scenarios, test_differentiation
 
-SEEDS = int(os.environ.get("ACTIVITY_FLAKE_SEEDS", "3"))
+def _seeds(spec: str) -> range:
+    """``"N"`` (seeds 0..N-1) or ``"START:STOP"`` (for running the sweep in shards)."""
+    start, _, stop = spec.rpartition(":")
+    return range(int(start or 0), int(stop))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(SEEDS))
+@pytest.mark.parametrize("seed", _seeds(os.environ.get("ACTIVITY_FLAKE_SEEDS", "3")))
 def test_torch_catalogue_passes_on_every_seed(seed):
     report = test_differentiation([ad.AutoTorch()], nn_scenarios("torch", seed=seed))
     assert report.counts() == {"pass": len(report.scenarios), "FAIL": 0, "unsupported": 0}

@@ -150,21 +150,7 @@ class Backend:
         dys, (ys, aux), d2ys = self.outer.jvp(self.inner.derivative_function(F, ts), xs, ts, True)
         return ys, dys, aux, d2ys
 
-    def loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
-        """Batched `jvp` as a loop over the batch: for backends without vmap."""
-        batch = arrays.shape(ts[0])[0]
-        columns = []
-        ys = aux = None
-        for b in range(batch):
-            ys, aux, dys = self.jvp(F, xs, tuple(t[b] for t in ts), False)
-            columns.append(dys)
-        return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
-
 
 def stack_batch(items: Sequence[Flat]) -> Flat:
     """Stack a list of flat tuples leaf by leaf along a new leading axis."""
     return tuple(arrays.stack([item[j] for item in items]) for j in range(len(items[0])))
-
-
-def unstack_batch(batch: Flat, size: int) -> list[Flat]:
-    return [tuple(leaf[b] for leaf in batch) for b in range(size)]

@@ -137,7 +137,7 @@ class AutoFiniteDifferences(Backend):
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         if batched:
-            return self.loop_jvp(F, xs, ts)
+            return self._loop_jvp(F, xs, ts)
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
         ts = tuple(_to_float64(t) for t in ts)
@@ -163,6 +163,16 @@ class AutoFiniteDifferences(Backend):
                 break
             step /= 10
         return ys, aux, tuple(e * scale for e in best)
+
+    def _loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
+        """A batch of tangents, one after the other (no vmap for arbitrary functions)."""
+        batch = arrays.shape(ts[0])[0]
+        columns = []
+        ys = aux = None
+        for b in range(batch):
+            ys, aux, dys = self.jvp(F, xs, tuple(t[b] for t in ts), False)
+            columns.append(dys)
+        return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
 
     def _ridders(self, central: Callable[[float], Flat], step: float) -> tuple[Flat, float]:
         """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method): estimate and error."""

@@ -92,9 +92,9 @@ def bench(scenarios: list) -> None:
         if s.framework == "jax":
             import jax
 
-            ours = lambda: jax.block_until_ready(prep(*values))  # noqa: E731
+            ours = lambda prep=prep, values=values: jax.block_until_ready(prep(*values))  # noqa: E731
         else:
-            ours = lambda: prep(*values)  # noqa: E731
+            ours = lambda prep=prep, values=values: prep(*values)  # noqa: E731
         t_raw, t_ours = _time(raw), _time(ours)
         print(f"| {s.name} | {t_raw * 1e6:.1f} | {t_ours * 1e6:.1f} | {t_ours / t_raw:.2f} |")
 
