@@ -288,3 +288,17 @@ def _assert_tree_close_fixture():
 @pytest.fixture(name="intact")
 def _intact_fixture():
     return intact
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny tensors: one thread avoids oversubscription on a 2-core machine (restored afterwards)."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

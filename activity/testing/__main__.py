@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         f for f in ("numpy", "jax", "torch") if f == "numpy" or (_installed(f) and (f != "jax" or _installed("equinox")))
     ]
     kinds = args.scenarios.split(",")
+    if "torch" in frameworks:
+        import torch
+
+        torch.set_num_threads(1)  # this process only: tiny tensors run fastest on one thread
     all_outcomes, backend_names, scenario_names, scenarios_run = [], [], [], []
     for framework in frameworks:
         scenarios = _catalogue(framework, kinds, args.seed, args.transforms)

@@ -11,10 +11,11 @@ from .._tree import flatten, leaf_paths
 
 
 def to_float64(leaf: Any) -> np.ndarray:
-    """A float64 numpy copy of any array or number (torch tensors leave their device)."""
+    """A float64 (complex128 for complex values) numpy copy of any array or number."""
+    dtype = np.complex128 if arrays.dtype_kind(leaf) == "c" else np.float64
     if arrays.is_torch(leaf):
-        return leaf.detach().cpu().double().numpy()
-    return np.asarray(leaf, dtype=np.float64)
+        leaf = leaf.detach().cpu().resolve_conj().numpy()
+    return np.asarray(leaf, dtype=dtype)
 
 
 def _ignored(path: str, ignore: Any) -> bool:
@@ -27,16 +28,20 @@ def _ignored(path: str, ignore: Any) -> bool:
 
 
 def _worst(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -> str:
-    error = np.abs(actual - expected)
-    excess = error - (atol + rtol * np.abs(expected))
-    excess = np.where(np.isnan(excess), np.inf, excess)
+    # A nan where the other side has a number is an infinite error, never a small one.
+    one_nan = np.isnan(actual) != np.isnan(expected)
+    with np.errstate(invalid="ignore"):
+        error = np.where(one_nan, np.inf, np.abs(actual - expected))
+    error = np.where(np.isnan(error), 0.0, error)  # nan against nan in the same place agrees
+    excess = error - (atol + rtol * np.abs(np.nan_to_num(expected)))
     index = np.unravel_index(int(np.argmax(excess)), excess.shape) if excess.ndim else ()
     with np.errstate(divide="ignore", invalid="ignore"):
-        relative = error / np.abs(expected)
-    max_rel = float(np.nanmax(np.where(expected == 0, np.where(error == 0, 0.0, np.inf), relative))) if error.size else 0.0
+        relative = np.where(error == 0, 0.0, error / np.abs(expected))
+    max_abs = float(error.max()) if error.size else 0.0
+    max_rel = float(np.where(np.isnan(relative), np.inf, relative).max()) if error.size else 0.0
     where = f" at index {tuple(int(i) for i in index)}" if index else ""
     return (
-        f"max abs error {float(np.nanmax(error)) if error.size else 0.0:.3g}, max rel error {max_rel:.3g}; "
+        f"max abs error {max_abs:.3g}, max rel error {max_rel:.3g}; "
         f"worst{where}: got {actual[index]!r}, expected {expected[index]!r}"
     )
 

@@ -53,7 +53,8 @@ def _same(before: Any, leaf: Any) -> bool:
 
 
 def _rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"random": random.getstate(), "numpy": np.random.get_state()[1].copy()}
+    kind, key, position, has_gauss, gauss = np.random.get_state()
+    states: dict[str, Any] = {"random": random.getstate(), "numpy": (kind, key.copy(), position, has_gauss, gauss)}
     if "torch" in sys.modules:
         states["torch"] = sys.modules["torch"].random.get_rng_state().clone()
     return states
@@ -80,9 +81,12 @@ class Snapshot:
                     found.append(f"argument {position} ({arg.kind}){path} was modified")
         now = _rng_states()
         for name, state in self.rng.items():
-            same = np.array_equal(np.asarray(state), np.asarray(now[name])) if name != "random" else state == now[name]
             if name == "torch":
                 same = bool(sys.modules["torch"].equal(state, now[name]))
+            elif name == "numpy":
+                same = all(np.array_equal(a, b) for a, b in zip(state, now[name]))
+            else:
+                same = state == now[name]
             if not same:
                 found.append(f"the global {name} RNG state changed")
         return found

@@ -43,7 +43,7 @@ class Scenario:
     result: Any = attrs.field(default=None, kw_only=True)
     tangent: Any = attrs.field(default=None, kw_only=True)
     tangents: Sequence[Any] | None = attrs.field(default=None, kw_only=True)
-    prep_args: tuple | None = attrs.field(default=None, kw_only=True)
+    prep_args: tuple | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(tuple))
     name: str | None = attrs.field(default=None, kw_only=True)
     rtol: float | None = attrs.field(default=None, kw_only=True)
     atol: float | None = attrs.field(default=None, kw_only=True)
@@ -92,14 +92,22 @@ class Scenario:
         return {seed: self.tangent} if self.tangents is None else {seed + "s": list(self.tangents)}
 
     def run(self, backend: Any, prepared: bool = False) -> Any:
-        """The operator's result on ``backend``; prepared on ``prep_args`` when asked."""
+        """The operator's result on ``backend``.
+
+        Prepared: prepare on ``prep_args``, call once on them, then return the
+        call on ``args``, so a prepared operator that reuses the values it was
+        prepared with, or its first result, gives a wrong answer.
+        """
         import activity
 
         op = _operator_function(self.op)
         seeds = self.seed_kwargs()
         if not prepared:
             return op(self.f, *self.args, backend=backend, **self.options, **seeds)
-        prep = activity.prepare(op, self.f, *(self.prep_args or self.args), backend=backend, **self.options, **seeds)
+        prep_args = self.prep_args or self.args
+        prep = activity.prepare(op, self.f, *prep_args, backend=backend, **self.options, **seeds)
+        if self.prep_args is not None:
+            prep(*self.prep_args, **seeds)
         return prep(*self.args, **seeds)
 
     def expected(self, reference: Any = None) -> Any:
