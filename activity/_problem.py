@@ -95,7 +95,7 @@ class Traced:
 
 
 def partition(tree: Any) -> tuple[list, tuple]:
-    """Split ``tree`` into its array leaves and a hashable-free static remainder."""
+    """Split ``tree`` into its array leaves and the rest (structure and non-array leaves)."""
     leaves, spec = flatten(tree)
     mask = tuple(arrays.is_array(leaf) for leaf in leaves)
     dynamic = [leaf for leaf, is_arr in zip(leaves, mask) if is_arr]
