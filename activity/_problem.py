@@ -127,6 +127,7 @@ class Problem:
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
         self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
+        self.bare = tuple(spec.is_leaf() for spec in self.specs)  # the argument is one leaf, not a tree
 
     # ------------------------------------------------------------------ parsing
 
@@ -208,7 +209,10 @@ class Problem:
         check = kinds is not None
         as_array = self.backend.as_array
         for position, (value, roles) in enumerate(zip(values, self.roles)):
-            leaves, spec = flatten(value)
+            if self.bare[position] and (arrays.is_torch(value) or arrays.is_torch_module(value)):
+                leaves, spec = [value], self.specs[position]  # a lone tensor or module: no tree to walk
+            else:
+                leaves, spec = flatten(value)
             active = self.kinds[position] == "active"
             if check:
                 if kinds[position] != self.kinds[position] or spec != self.specs[position]:
@@ -349,7 +353,7 @@ class Problem:
                     names = self.module_names[(position, index)]
                     params = [next(x_iter) for _ in names] if self.kinds[position] == "active" else None
                     leaves.append(backend.bind_module(module, params))
-            values.append(unflatten(spec, leaves))
+            values.append(leaves[0] if self.bare[position] else unflatten(spec, leaves))
         return values
 
     # ----------------------------------------------------------------- results

@@ -15,6 +15,8 @@ copies made inside the current transform, so BatchNorm statistics, flags and
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from typing import Any, Callable
 
 import attrs
@@ -25,9 +27,7 @@ from ._base import Backend, Flat, FlatFunction
 
 
 def _torch() -> Any:
-    import torch
-
-    return torch
+    return sys.modules.get("torch") or importlib.import_module("torch")  # imported on first use only
 
 
 def _inside_functorch() -> bool:
@@ -256,7 +256,8 @@ class AutoTorch(Backend):
         if not ys[0].requires_grad:
             return ys, aux, tuple(torch.zeros_like(x) for x in xs)
         grads = torch.autograd.grad(ys[0], leaves, allow_unused=True)
-        grads = tuple(g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs))
+        if any(g is None for g in grads):  # a leaf f does not use
+            grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
         return (ys[0].detach(),), aux, grads
 
     def gradient_function(self, F: FlatFunction) -> FlatFunction:
