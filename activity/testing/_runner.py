@@ -116,7 +116,7 @@ class Report:
             "| " + "-" * width + " | " + " | ".join("-" * c for c in columns) + " |",
         ]
         for s in self.scenarios:
-            cells = [cell.get((s, b), "").ljust(c) for b, c in zip(self.backends, columns)]
+            cells = [cell.get((s, b), "-").ljust(c) for b, c in zip(self.backends, columns)]  # - : not run
             lines.append("| " + s.ljust(width) + " | " + " | ".join(cells) + " |")
         counts = self.counts()
         lines.append(f"\n{counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported")
