@@ -115,6 +115,10 @@ def prepare(
     `PreparationMismatchError`; with ``strict=False`` the operator is prepared
     again for the new signature.
 
+    A prepared object may be called from several threads at once: each call
+    builds its own state (module views, Cache buffers, tapes) and shares only
+    what was compiled, so every thread gets the result for its own arguments.
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> loss = lambda w, x: jnp.sum((w * x) ** 2)

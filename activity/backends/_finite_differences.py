@@ -150,7 +150,7 @@ class AutoFiniteDifferences(Backend):
             with np.errstate(all="ignore"):  # a trial step may leave f's domain; the estimate handles it
                 plus, _ = F(tuple(x + h * t for x, t in zip(xs, direction)))
                 minus, _ = F(tuple(x - h * t for x, t in zip(xs, direction)))
-            return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
+                return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
 
         # A first step too large for the function's scale or domain (log near 0) shows as a large
         # error estimate or nan: start again ten times smaller, keep the best estimate.
