@@ -121,8 +121,15 @@ def split_columns(matrix: Any, sizes: list[int]) -> list:
 def concat_flat(xs: list) -> Any:
     """Concatenate the flattened leaves ``xs`` (batched over a leading axis) into one matrix."""
     xp = namespace(xs[0])
-    parts = [reshape(x, (shape(x)[0], -1)) for x in xs]
+    parts = [reshape(x, (shape(x)[0], math.prod(shape(x)[1:]))) for x in xs]  # -1 is ambiguous when empty
     return xp.cat(parts, dim=1) if xp is sys.modules.get("torch") else xp.concatenate(parts, axis=1)
+
+
+def zeros(new_shape: tuple[int, ...], like: Any) -> Any:
+    """Zeros of ``new_shape`` with the framework, dtype (and device) of ``like``."""
+    if is_torch(like):
+        return like.new_zeros(new_shape)
+    return namespace(like).zeros(new_shape, dtype=like.dtype)
 
 
 def ones_like(x: Any) -> Any:
@@ -131,3 +138,16 @@ def ones_like(x: Any) -> Any:
 
 def zeros_like(x: Any) -> Any:
     return namespace(x).zeros_like(x)
+
+
+def to_framework(x: Any, name: str | None) -> Any:
+    """``x`` as an array of framework ``name`` (through numpy when it comes from another one)."""
+    have = framework(x)
+    if have is None or name is None or have == name:
+        return x
+    host = x.detach().cpu().numpy() if is_torch(x) else np.asarray(x)
+    if name == "torch":
+        return sys.modules["torch"].as_tensor(host)
+    if name == "jax":
+        return sys.modules["jax"].numpy.asarray(host)
+    return host

@@ -123,6 +123,7 @@ class Problem:
         self.diff_shapes: list[tuple[int, ...]] = []  # shapes of the flat differentiated leaves
         self.diff_dtypes: list[Any] = []
         self.diff_frameworks: set[str | None] = set()
+        self.diff_framework_of: dict[int, str | None] = {}  # flat index -> framework (modules: torch)
         self.module_names: dict[tuple[int, int], list[str]] = {}
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
@@ -165,6 +166,7 @@ class Problem:
                 self.diff_shapes.append(arrays.shape(leaf))
                 self.diff_dtypes.append(leaf.dtype)
                 self.diff_frameworks.add(arrays.framework(leaf))
+                self.diff_framework_of[len(self.diff_shapes) - 1] = arrays.framework(leaf)
                 meta = array_meta(leaf)
             elif kind == "cache":
                 if not arrays.is_array(leaf):
@@ -234,6 +236,8 @@ class Problem:
                     ctx.append(described)
                     continue
                 if role == DIFF:
+                    if check and not (arrays.is_array(leaf) or isinstance(leaf, float)):
+                        return None
                     leaf = as_array(leaf)
                     xs.append(leaf)
                 else:
@@ -307,7 +311,7 @@ class Problem:
                 aux_dynamic = ()  # torch.func accepts only tensors (and containers) as aux
             ys, traced.out_spec = flatten(out)
             self._check_output(out, ys, scalar)
-            return tuple(ys), aux_dynamic
+            return tuple(map(backend.as_array, ys)), aux_dynamic  # a float output becomes an array
 
         return F
 
@@ -386,7 +390,7 @@ class Problem:
                 f"tuple with one entry per Active argument, got {type(tree).__name__}."
             )
         flat = []
-        shapes = iter(zip(self.diff_shapes, self.diff_dtypes))
+        shapes = iter(zip(self.diff_shapes, self.diff_dtypes, range(len(self.diff_shapes))))
         for number, (position, part) in enumerate(zip(self.active_positions, parts)):
             label = what if len(self.active_positions) == 1 else f"{what}[{number}]"
             try:
@@ -410,7 +414,8 @@ class Problem:
                 else:
                     continue
                 for leaf_index, suffix, leaf in items:
-                    shape, dtype = next(shapes)
+                    shape, dtype, flat_index = next(shapes)
+                    leaf = arrays.to_framework(leaf, self.diff_framework_of.get(flat_index, "torch"))
                     flat.append(self._checked_leaf(leaf, shape, dtype, label, position, leaf_index, suffix))
         return tuple(flat)
 

@@ -14,7 +14,7 @@ import attrs
 from .. import _arrays as arrays
 from .._errors import UnsupportedError
 from .._problem import Problem, Traced, a, parse_arguments
-from .._tree import flatten
+from .._tree import flatten, leaf_paths
 from ..backends import Backend, resolve_backend
 from ..backends._base import stack_batch
 
@@ -81,7 +81,7 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     if one == "tangent":
         encode = lambda tree, what: (problem.flat_like_active(tree, what), None)  # noqa: E731
     else:
-        encode = _encode_cotangent
+        encode = lambda tree, what: _encode_cotangent(tree, what, operator.name)  # noqa: E731
     if single is not None:
         leaves, spec = encode(single, one)
         return Seeds(leaves, None, spec)
@@ -97,11 +97,16 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     return Seeds(stack_batch([leaves for leaves, _ in encoded]), len(batch), encoded[0][1])
 
 
-def _encode_cotangent(tree: Any, what: str) -> tuple[tuple, Any]:
+def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple, Any]:
     leaves, spec = flatten(tree)
-    for leaf in leaves:
+    for index, leaf in enumerate(leaves):
         if not (arrays.is_array(leaf) or isinstance(leaf, float)) or arrays.dtype_kind(leaf) != "f":
-            raise ValueError(f"{what} must be a float array or a pytree of them, got {a(type(leaf).__name__)} leaf.")
+            path = leaf_paths(tree)[index]
+            dtype = f" of dtype {leaf.dtype}" if hasattr(leaf, "dtype") else ""
+            raise ValueError(
+                f"activity.{op_name}: {what}{path} is {a(type(leaf).__name__)}{dtype}; a cotangent holds float "
+                f"arrays shaped like f's output. Convert it, e.g. with .astype(float)."
+            )
     return tuple(leaves), spec
 
 

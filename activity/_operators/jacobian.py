@@ -18,7 +18,9 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
         ys, aux, pull = backend.vjp(F, xs)
         out_shapes = [arrays.shape(y) for y in ys]
         out_sizes = [arrays.size(y) for y in ys]
-        if sum(out_sizes) <= sum(in_sizes):  # reverse: one pullback per output entry
+        if sum(out_sizes) == 0 or sum(in_sizes) == 0:  # nothing to differentiate: empty blocks
+            matrix = [[arrays.zeros(o + i, y) for i in in_shapes] for o, y in zip(out_shapes, ys)]
+        elif sum(out_sizes) <= sum(in_sizes):  # reverse: one pullback per output entry
             cts = tuple(backend.as_tangent(b, y.dtype) for b, y in zip(output_basis(ys), ys))
             rows = pull(cts, True)
             by_input = [blocks(r, out_sizes, out_shapes, s, inner_first=False) for r, s in zip(rows, in_shapes)]

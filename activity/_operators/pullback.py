@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .. import _arrays as arrays
+from .._tree import leaf_paths
 from .._annotations import Annotation
 from ..backends import Backend
 from ._common import Operator, call, per_seed, register, start
@@ -34,9 +35,10 @@ def _checked(problem, traced, seeds, cts, ys) -> tuple:
     lead = () if seeds.batch is None else (seeds.batch,)
     for index, (ct, y) in enumerate(zip(cts, ys)):
         if arrays.shape(ct) != lead + arrays.shape(y):
+            path = leaf_paths(traced.output(list(range(len(ys)))))[index]
             raise ValueError(
-                f"activity.{problem.op_name}: {what} leaf {index} has shape {arrays.shape(ct)[len(lead):]}, "
-                f"but f's output there has shape {arrays.shape(y)}."
+                f"activity.{problem.op_name}: {what}{path} has shape {arrays.shape(ct)[len(lead):]}, "
+                f"but f's output there has shape {arrays.shape(y)}. Pass a cotangent shaped like f's output."
             )
     return tuple(problem.backend.as_tangent(ct, y.dtype) for ct, y in zip(cts, ys))
 

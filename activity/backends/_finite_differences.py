@@ -167,8 +167,10 @@ class AutoFiniteDifferences(Backend):
     def _loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
         """A batch of tangents, one after the other (no vmap for arbitrary functions)."""
         batch = arrays.shape(ts[0])[0]
+        if batch == 0:  # no tangent (every Active leaf is empty): the value, and empty derivatives
+            ys, aux = F(_for(F, xs))
+            return ys, aux, tuple(arrays.zeros_like(_to_float64(y))[None][:0] for y in ys)
         columns = []
-        ys = aux = None
         for b in range(batch):
             ys, aux, dys = self.jvp(F, xs, tuple(t[b] for t in ts), False)
             columns.append(dys)
@@ -241,6 +243,8 @@ def _cast(leaf: Any, dtype: Any) -> Any:
         return leaf
     if arrays.is_torch(leaf):
         return leaf.to(dtype)
+    if "torch" in sys.modules and isinstance(dtype, sys.modules["torch"].dtype):  # e.g. f returned a float
+        return sys.modules["torch"].as_tensor(np.asarray(leaf), dtype=dtype)
     return leaf.astype(dtype)
 
 
