@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean flake
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,test]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,test,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,126 @@
+"""The documentation: every ```python block in docs/ (and the README) runs, and `mkdocs build --strict` passes.
+
+Each page runs in its own subprocess (all started at once), in a fresh temporary directory, with its
+blocks executed in order in one namespace. A block whose fence carries a
+``title="name.py"`` (a file shown on the page, e.g. a pytest module) is written
+to that file in the directory instead of executed; later blocks may run it.
+
+Run one page by hand: ``python tests/test_docs.py docs/concepts.md``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(p.relative_to(ROOT).as_posix() for p in DOCS.rglob("*.md"))
+CODE_PAGES = [*PAGES, "README.md"]
+FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+TITLE = re.compile(r'title="([^"]+\.py)"')
+
+
+def code_blocks(text: str) -> list[tuple[int, str | None, str]]:
+    """``(first line number, file title or None, code)`` for each python block, in order."""
+    blocks = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start(2)) + 1
+        title = TITLE.search(match.group(1))
+        blocks.append((line, title.group(1) if title else None, match.group(2)))
+    return blocks
+
+
+def run_page(page: str) -> None:
+    """Execute a page's blocks in order, in one namespace, in the current directory."""
+    path = ROOT / page
+    namespace: dict = {"__name__": "__main__"}
+    for line, title, code in code_blocks(path.read_text()):
+        if title:
+            Path(title).write_text(code)
+            continue
+        print(f"--- {page}:{line}", flush=True)
+        exec(compile("\n" * (line - 1) + code, str(path), "exec"), namespace)
+
+
+def _support_matrix_module():
+    spec = importlib.util.spec_from_file_location("support_matrix", DOCS / "hooks" / "support_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+if __name__ == "__main__":
+    run_page(Path(sys.argv[1]).resolve().relative_to(ROOT).as_posix())
+    sys.exit(0)
+
+
+import pytest  # noqa: E402  (not needed to run one page by hand)
+
+
+RUN_PAGES = [p for p in CODE_PAGES if code_blocks((ROOT / p).read_text())]
+
+
+@pytest.fixture(scope="module")
+def page_runs(tmp_path_factory):
+    """Start every page at once (each in its own directory); tests wait for their own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for page in RUN_PAGES:
+        cwd = tmp_path_factory.mktemp(Path(page).stem)
+        runs[page] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(ROOT / page)],
+            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+    yield runs
+    for process in runs.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+@pytest.mark.parametrize("page", RUN_PAGES)
+def test_page_code_runs(page, page_runs):
+    stdout, stderr = page_runs[page].communicate(timeout=300)
+    assert page_runs[page].returncode == 0, f"{page} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+
+
+def test_there_are_at_least_ten_pages_and_all_are_in_the_nav():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [p.removeprefix("docs/") for p in PAGES]
+    assert len(pages) >= 10, pages
+    assert [p for p in pages if p not in nav] == []
+
+
+def test_support_matrix_is_generated_from_capabilities():
+    module = _support_matrix_module()
+    assert module.MARKER in (DOCS / "backends.md").read_text()
+    table = module.support_matrix().splitlines()
+    backends = module.backends()
+    from activity._operators._names import OPERATORS
+
+    assert len(table) == 2 + len(OPERATORS)
+    for row, operator in zip(table[2:], OPERATORS):
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        for backend, cell in zip(backends, cells):
+            for kind, label in module.KIND_LABELS.items():
+                supported = backend.capabilities()[(operator, kind, "unprepared")]
+                assert (label in cell.split()) == supported, (operator, backend, kind, cell)
+
+
+def test_mkdocs_build_strict(tmp_path):
+    pytest.importorskip("mkdocs", reason="install the docs extra: pip install -e '.[docs]'")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    backends_page = (tmp_path / "site" / "backends" / "index.html").read_text()
+    assert "SecondOrder(AutoJAX, AutoFiniteDifferences)" in backends_page  # the generated table
+    assert "<!-- support-matrix -->" not in backends_page
+    api = (tmp_path / "site" / "api" / "activity" / "index.html").read_text()
+    assert "value_gradient_and_hessian" in api
