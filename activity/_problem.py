@@ -17,7 +17,7 @@ import attrs
 
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant
-from ._errors import PreparationMismatchError, UnsupportedError, add_note
+from ._errors import UnsupportedError, add_note
 from ._tree import flatten, leaf_paths, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
@@ -467,4 +467,4 @@ def kinds_of(args: Sequence[Any], prepared_kinds: Sequence[str]) -> tuple[tuple[
     return tuple(kinds), tuple(values)
 
 
-__all__ = ["Problem", "Traced", "parse_arguments", "kinds_of", "PreparationMismatchError"]
+__all__ = ["Problem", "Traced", "parse_arguments", "kinds_of", "partition", "combine", "array_meta", "a"]
