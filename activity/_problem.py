@@ -255,7 +255,7 @@ class Problem:
             for leaf in leaves:
                 if arrays.is_torch_module(leaf):
                     metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
-                elif kind == "active" and isinstance(leaf, float):
+                elif kind == "active" and arrays.dtype_kind(leaf) == "f":  # as split sees it (converted)
                     metas.append(array_meta(self.backend.as_array(leaf)))
                 else:
                     metas.append(array_meta(leaf))

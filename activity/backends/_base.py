@@ -21,6 +21,8 @@ from .._operators._names import OPERATORS
 Flat = tuple
 FlatFunction = Callable[[Flat], "tuple[Flat, Any]"]
 
+_BACKEND_FOR = {"jax": "AutoJAX()", "torch": "AutoTorch()"}
+_DISPLAY = {"jax": "JAX", "torch": "torch"}
 KINDS = ("active", "constant", "cache")
 MODES = ("unprepared", "prepared")
 
@@ -43,6 +45,14 @@ class Backend:
 
     def check_framework(self, op_name: str, framework: str | None, where: str) -> None:
         """Raise if this backend cannot differentiate arrays of ``framework``."""
+        if self.framework is None or framework not in _BACKEND_FOR or framework == self.framework:
+            return
+        from .._errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"activity.{op_name}: {self!r} cannot differentiate the {_DISPLAY[framework]} value at {where}. "
+            f"Use backend={_BACKEND_FOR[framework]}, or convert the values to {_DISPLAY[self.framework]} arrays."
+        )
 
     # -- leaves -------------------------------------------------------------
 

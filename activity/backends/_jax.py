@@ -7,7 +7,6 @@ from typing import Any, Callable
 
 import attrs
 
-from .._errors import UnsupportedError
 from .._problem import combine, partition
 from ._base import Backend, Flat, FlatFunction
 
@@ -33,13 +32,6 @@ class AutoJAX(Backend):
     """
 
     framework = "jax"
-
-    def check_framework(self, op_name: str, framework: str | None, where: str) -> None:
-        if framework == "torch":
-            raise UnsupportedError(
-                f"activity.{op_name}: AutoJAX() cannot differentiate the torch value at {where}. "
-                f"Use backend=AutoTorch(), or convert the tensors to JAX arrays."
-            )
 
     def as_array(self, leaf: Any) -> Any:
         return _jax().numpy.asarray(leaf) if isinstance(leaf, float) else leaf

@@ -44,6 +44,10 @@ class SecondOrder(Backend):
         ad_over_fd = isinstance(self.inner, AutoFiniteDifferences) and not isinstance(self.outer, AutoFiniteDifferences)
         return not ad_over_fd and self.outer.supports(operator, kind, mode) and self.inner.supports(operator, kind, mode)
 
+    @property
+    def framework(self) -> str | None:  # type: ignore[override]
+        return self.inner.framework or self.outer.framework
+
     def check_framework(self, op_name: str, framework: str | None, where: str) -> None:
         self.outer.check_framework(op_name, framework, where)
         self.inner.check_framework(op_name, framework, where)

@@ -22,7 +22,6 @@ from typing import Any, Callable
 import attrs
 
 from .. import _arrays as arrays
-from .._errors import UnsupportedError
 from ._base import Backend, Flat, FlatFunction
 
 
@@ -166,13 +165,6 @@ class AutoTorch(Backend):
     """
 
     framework = "torch"
-
-    def check_framework(self, op_name: str, framework: str | None, where: str) -> None:
-        if framework == "jax":
-            raise UnsupportedError(
-                f"activity.{op_name}: AutoTorch() cannot differentiate the JAX value at {where}. "
-                f"Use backend=AutoJAX(), or convert the arrays to torch tensors."
-            )
 
     # -- leaves ---------------------------------------------------------------
 

@@ -40,9 +40,7 @@ def backend_name(backend: Any) -> str:
 
 def runs_on(backend: Any, scenario: Scenario) -> bool:
     """Whether ``backend`` declares support for ``scenario`` (operator, kinds, framework)."""
-    framework = getattr(backend, "framework", None)
-    if framework is None and hasattr(backend, "inner"):
-        framework = backend.inner.framework or backend.outer.framework
+    framework = backend.framework
     if framework is not None and framework != scenario.framework:
         return False
     return all(backend.supports(scenario.op, kind, mode) for kind in scenario.kinds for mode in ("unprepared", "prepared"))
