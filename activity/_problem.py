@@ -125,6 +125,8 @@ class Problem:
         self.diff_frameworks: set[str | None] = set()
         self.diff_framework_of: dict[int, str | None] = {}  # flat index -> framework (modules: torch)
         self.module_names: dict[tuple[int, int], list[str]] = {}
+        self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
+        self.arrays_only = True  # every leaf of every argument is an array: a backend may take them whole
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
         self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
@@ -155,6 +157,7 @@ class Problem:
             if arrays.is_torch_module(leaf):
                 role = MODULE
                 described = self.backend.describe_module(leaf)
+                self._described[(position, index)] = described
                 names, params = (described.names, described.params) if kind == "active" else ([], [])
                 self.module_names[(position, index)] = names
                 self.diff_shapes += [tuple(p.shape) for p in params]
@@ -167,7 +170,7 @@ class Problem:
                 self.diff_dtypes.append(leaf.dtype)
                 self.diff_frameworks.add(arrays.framework(leaf))
                 self.diff_framework_of[len(self.diff_shapes) - 1] = arrays.framework(leaf)
-                meta = array_meta(leaf)
+                meta = self.backend.array_meta(leaf)
             elif kind == "cache":
                 if not arrays.is_array(leaf):
                     paths = paths or leaf_paths(value)
@@ -176,11 +179,12 @@ class Problem:
                         f"{a(type(leaf).__name__)} at {paths[index] or 'its root'}. A Cache holds arrays "
                         f"(or a pytree of arrays) that f may overwrite; pass other values as Constant(...)."
                     )
-                role, meta = CACHE, array_meta(leaf)
+                role, meta = CACHE, self.backend.array_meta(leaf)
             elif arrays.is_array(leaf):
-                role, meta = DYNAMIC, array_meta(leaf)
+                role, meta = DYNAMIC, self.backend.array_meta(leaf)
             else:
                 role, meta = STATIC, ("static", leaf)
+            self.arrays_only &= role != MODULE and arrays.is_array(leaf)
             roles.append(role)
             statics.append(leaf if role == STATIC else None)
             metas.append(meta)
@@ -209,7 +213,7 @@ class Problem:
         xs: list = []
         ctx: list = []
         check = kinds is not None
-        as_array = self.backend.as_array
+        as_array, meta_of = self.backend.as_array, self.backend.array_meta
         for position, (value, roles) in enumerate(zip(values, self.roles)):
             if self.bare[position] and (arrays.is_torch(value) or arrays.is_torch_module(value)):
                 leaves, spec = [value], self.specs[position]  # a lone tensor or module: no tree to walk
@@ -228,9 +232,12 @@ class Problem:
                 if role == MODULE:
                     if not arrays.is_torch_module(leaf):
                         return None
-                    described = self.backend.describe_module(leaf)
-                    if check and described.layout != metas[index][2]:
-                        return None
+                    previous = self._described.get((position, index))
+                    described = self.backend.describe_module(leaf, previous)
+                    if described is not previous:
+                        if check and described.layout != metas[index][2]:
+                            return None
+                        self._described[(position, index)] = described  # a checked description, reused while it holds
                     if active:
                         xs.extend(described.params)
                     ctx.append(described)
@@ -242,7 +249,7 @@ class Problem:
                     xs.append(leaf)
                 else:
                     ctx.append(leaf)
-                if check and array_meta(leaf) != metas[index]:
+                if check and meta_of(leaf) != metas[index]:
                     return None
         return tuple(xs), tuple(ctx)
 
@@ -256,9 +263,9 @@ class Problem:
                 if arrays.is_torch_module(leaf):
                     metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
                 elif kind == "active" and arrays.dtype_kind(leaf) == "f":  # as split sees it (converted)
-                    metas.append(array_meta(self.backend.as_array(leaf)))
+                    metas.append(self.backend.array_meta(self.backend.as_array(leaf)))
                 else:
-                    metas.append(array_meta(leaf))
+                    metas.append(self.backend.array_meta(leaf))
             signature.append((kind, spec, tuple(metas)))
         return tuple(signature)
 

@@ -108,6 +108,28 @@ def test_new_constant_batches_never_recompile(op, seed, expected, assert_tree_cl
         )
 
 
+def test_numpy_where_jax_was_prepared_is_accepted_like_jax_jit_does(assert_tree_close):
+    """jax.jit runs numpy arrays of a prepared JAX array's shape and canonical dtype without
+    recompiling; a prepared AutoJAX operator does the same, raw or annotated, and refuses float16."""
+    traces = []
+
+    def counted_loss(w, data):
+        traces.append(1)
+        return loss(w, data)
+
+    rng = np.random.default_rng(1)
+    w = f32(rng.normal(size=3))
+    data = (f32(rng.normal(size=(5, 3))), f32(rng.normal(size=5)))
+    prepared = ad.prepare(ad.gradient, counted_loss, Active(w), Constant(data))
+    traced_by_prepare = len(traces)
+    X, y = rng.normal(size=(5, 3)), rng.normal(size=5)  # numpy float64: float32 to JAX
+    for args in [(np.asarray(w), (X, y)), (Active(np.asarray(w)), Constant((X, y)))]:
+        assert_tree_close(prepared(*args), loss_grad(np64(w), X, y), **JAX_TOL, framework="jax")
+    assert len(traces) == traced_by_prepare
+    with pytest.raises(ad.PreparationMismatchError, match=r"argument 1\b.*dtype float32, got .*dtype float16"):
+        prepared(w, (X.astype(np.float16), y))
+
+
 def test_numpy_constant_mutated_in_place_between_calls_is_not_stale(assert_tree_close):
     """The closure trap: data mutated in place between calls must be seen by the next call."""
     rng = np.random.default_rng(1)

@@ -155,6 +155,18 @@ class Plan:
         self.pipeline = self.backend.compile(self.pipeline)
         return self
 
+    def direct(self) -> Callable[[tuple, dict], Any]:
+        """The whole call, checks and split included, as one function of the arguments'
+        values and the seed keywords: what `Backend.compile_call` compiles end to end."""
+        operator, problem, pipeline, finalize = self.operator, self.problem, self.pipeline, self.backend.finalize
+
+        def whole_call(values: tuple, seed_kwargs: dict) -> Any:
+            seeds = encode_seeds(operator, problem, seed_kwargs)
+            xs, ctx = problem.split(values)
+            return finalize(pipeline(xs, ctx, None if seeds is None else seeds.leaves), problem)
+
+        return whole_call
+
     def run(self, values: tuple, seeds: Seeds | None, split: tuple | None = None) -> Any:
         xs, ctx = split if split is not None else self.problem.split(values)
         extra = None if seeds is None else seeds.leaves

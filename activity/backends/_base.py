@@ -16,6 +16,7 @@ import attrs
 
 from .. import _arrays as arrays
 from .._operators._names import OPERATORS
+from .._problem import array_meta
 
 # F(xs) -> (output leaves, dynamic aux). `pull(cts, batched)` -> gradients like xs.
 Flat = tuple
@@ -64,6 +65,10 @@ class Backend:
         """A user's tangent leaf, in the dtype of the value it perturbs."""
         return leaf
 
+    def array_meta(self, leaf: Any) -> tuple:
+        """What a prepared operator checks of a leaf (framework, shape, dtype, device)."""
+        return array_meta(leaf)
+
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
         """The buffer ``f`` gets for a Cache leaf, made inside the current transform, with a
         dtype that holds both its own values and those of ``like`` (a differentiated leaf)."""
@@ -73,9 +78,10 @@ class Backend:
         """A derivative for a leaf of ``dtype`` (finite differences compute in float64)."""
         return value
 
-    def describe_module(self, module: Any) -> Any:
+    def describe_module(self, module: Any, previous: Any = None) -> Any:
         """One walk over a module: an object with ``.names`` and ``.params`` (the trainable
-        parameters), ``.layout`` (what a prepared operator checks); passed to `bind_module`."""
+        parameters), ``.layout`` (what a prepared operator checks); passed to `bind_module`.
+        ``previous`` (an earlier description) is returned if it still describes ``module``."""
         from .._errors import UnsupportedError
 
         raise UnsupportedError(f"{self!r} does not take torch.nn.Module arguments; use AutoTorch().")
@@ -107,14 +113,29 @@ class Backend:
         """Turn a pipeline into its prepared form (JIT, where the backend has one)."""
         return pipeline
 
+    def compile_call(self, call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+        """A prepared call compiled end to end, or None where the backend has no such path.
+
+        ``call(values, seed_kwargs)`` is the whole operator on the user's own
+        arguments (split, checks and pipeline); the compiled form is called as
+        ``compiled(*values, **seed_kwargs)``. For arguments that differ from
+        ``values`` in any way it does not handle, it must raise `SignatureChanged`,
+        TypeError or ValueError; the prepared operator then takes its checked
+        path, which says what differs or prepares again.
+        """
+        return None
+
+
     # -- differentiation primitives -------------------------------------------
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         """``(ys, aux, dys)``: ``F`` and its derivative along ``ts`` (a leading batch axis if batched)."""
         raise NotImplementedError
 
-    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
-        """``(ys, aux, pull)``: ``F`` and a function pulling cotangents back to ``xs``."""
+    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        """``(ys, aux, pull)``: ``F`` and a function pulling cotangents back to ``xs``.
+
+        ``batched``: the cotangents will come in batches (a backend may pick another method)."""
         raise NotImplementedError
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
@@ -164,3 +185,7 @@ class Backend:
 def stack_batch(items: Sequence[Flat]) -> Flat:
     """Stack a list of flat tuples leaf by leaf along a new leading axis."""
     return tuple(arrays.stack([item[j] for item in items]) for j in range(len(items[0])))
+
+
+class SignatureChanged(Exception):
+    """A compiled call met arguments it was not compiled for (see `Backend.compile_call`)."""

@@ -75,10 +75,10 @@ class AutoFiniteDifferences(Backend):
             return sys.modules["jax"].numpy.array(leaf, dtype="float64")
         return np.array(leaf, dtype=np.float64)  # a copy: every evaluation starts from the same state
 
-    def describe_module(self, module: Any) -> Any:
-        from ._torch import describe_module
+    def describe_module(self, module: Any, previous: Any = None) -> Any:
+        from ._torch import AutoTorch
 
-        return describe_module(module)
+        return AutoTorch().describe_module(module, previous)
 
     def bind_module(self, module: Any, params: list[Any] | None) -> Any:
         from ._torch import float64_copy
@@ -200,7 +200,7 @@ class AutoFiniteDifferences(Backend):
             previous_row = row
         return best, best_error
 
-    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         xs = _for(F, xs)
         ys, aux = F(xs)
         jacobian: list = []  # (sum of output sizes, sum of input sizes), built on first pull

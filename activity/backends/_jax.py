@@ -6,9 +6,10 @@ import threading
 from typing import Any, Callable
 
 import attrs
+import numpy as np
 
-from .._problem import combine, partition
-from ._base import Backend, Flat, FlatFunction
+from .._problem import array_meta, combine, partition
+from ._base import Backend, Flat, FlatFunction, SignatureChanged
 
 
 def _jax() -> Any:
@@ -39,6 +40,15 @@ class AutoJAX(Backend):
     def as_tangent(self, leaf: Any, dtype: Any) -> Any:
         return _jax().numpy.asarray(leaf, dtype=dtype)
 
+    def array_meta(self, leaf: Any) -> tuple:
+        # A numpy array is what `jax.jit` makes of it: a JAX array of the canonical dtype
+        # (float64 becomes float32 unless x64 is enabled), so it is accepted where a JAX
+        # array of that shape and dtype was prepared, as `jax.jit` accepts it.
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            dtype = _jax().dtypes.canonicalize_dtype(leaf.dtype)
+            return ("jax", tuple(leaf.shape), str(dtype), None)
+        return array_meta(leaf)
+
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
         # JAX arrays are immutable: f writes with `.at[...].set(...)` and gets a traced array.
         jnp = _jax().numpy
@@ -57,7 +67,7 @@ class AutoJAX(Backend):
             ys, dys, aux = jax.vmap(one, out_axes=(None, 0, None))(ts)
         return ys, aux, dys
 
-    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         jax = _jax()
         ys, pull_one, aux = jax.vjp(F, xs, has_aux=True)
 
@@ -77,21 +87,63 @@ class AutoJAX(Backend):
         return ys, aux, grads
 
     def compile(self, pipeline: Callable) -> Callable:
-        jax = _jax()
-        static_of_output: dict[str, Any] = {}
-        lock = threading.Lock()
-
-        def traced(xs: Flat, ctx: Flat, extra: Flat | None) -> list:
-            dynamic, static = partition(pipeline(xs, ctx, extra))
-            with lock:
-                static_of_output["static"] = static  # fixed for a plan: one signature, one structure
-            return dynamic
-
-        jitted = jax.jit(traced)
+        dynamic_only, rebuild = _with_static_output(pipeline)
+        jitted = _jax().jit(dynamic_only)
 
         def run(xs: Flat, ctx: Flat, extra: Flat | None) -> Any:
-            dynamic = jitted(xs, ctx, extra)
-            return combine(dynamic, static_of_output["static"])
+            return rebuild(jitted(xs, ctx, extra))
 
-        run.jitted = jitted  # type: ignore[attr-defined]
         return run
+
+    def compile_call(self, call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+        # `jax.jit` of the whole call, arguments as the user passes them: JAX
+        # flattens them and finds the compiled code in C++, so a prepared call
+        # costs what a call of `jax.jit(jax.grad(f))` costs.
+        jitted = _sealed_jit(call, values, seed_kwargs)
+        if jitted is not None:
+            return jitted
+        dynamic_only, rebuild = _with_static_output(call)  # an output JAX cannot return (a string in aux)
+        jitted = _sealed_jit(dynamic_only, values, seed_kwargs)
+        if jitted is None:
+            return None
+        return lambda *values, **seed_kwargs: rebuild(jitted(*values, **seed_kwargs))
+
+
+def _sealed_jit(call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+    """``jax.jit`` of ``call``, traced, compiled and run once on ``values``, then sealed:
+    a later call that would trace again has another signature and raises SignatureChanged."""
+    sealed = False
+
+    def whole(*values: Any, **seed_kwargs: Any) -> Any:
+        if sealed:
+            raise SignatureChanged
+        return call(values, seed_kwargs)
+
+    jitted = _jax().jit(whole)
+    try:
+        jitted(*values, **seed_kwargs)  # the result is dropped: this run only fills JAX's caches
+    except Exception:  # noqa: BLE001 - the checked path runs the call again and reports any error
+        return None
+    sealed = True
+    return jitted
+
+
+def _with_static_output(function: Callable) -> tuple[Callable, Callable]:
+    """``function`` returning only its array leaves, and how to put the rest back.
+
+    JAX functions return arrays only; the static part of the output (structure,
+    strings, None) is recorded at trace time, fixed for one prepared signature.
+    """
+    recorded: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def dynamic_only(*args: Any) -> list:
+        dynamic, static = partition(function(*args))
+        with lock:
+            recorded["static"] = static
+        return dynamic
+
+    def rebuild(dynamic: list) -> Any:
+        return combine(dynamic, recorded["static"])
+
+    return dynamic_only, rebuild

@@ -62,11 +62,14 @@ class SecondOrder(Backend):
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
         return self.inner.fresh_cache(leaf, like)
 
+    def array_meta(self, leaf: Any) -> tuple:
+        return self.inner.array_meta(leaf)
+
     def cast_result(self, value: Any, dtype: Any) -> Any:
         return self.outer.cast_result(self.inner.cast_result(value, dtype), dtype)
 
-    def describe_module(self, module: Any) -> Any:
-        return self.inner.describe_module(module)
+    def describe_module(self, module: Any, previous: Any = None) -> Any:
+        return self.inner.describe_module(module, previous)
 
     def bind_module(self, module: Any, params: list[Any] | None) -> Any:
         return self.inner.bind_module(module, params)
@@ -89,12 +92,17 @@ class SecondOrder(Backend):
             return self.outer.compile(pipeline)
         return pipeline
 
+    def compile_call(self, call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+        if type(self.outer) is type(self.inner):
+            return self.outer.compile_call(call, values, seed_kwargs)
+        return None
+
     # First-order primitives are the inner backend's.
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         return self.inner.jvp(F, xs, ts, batched)
 
-    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
-        return self.inner.vjp(F, xs)
+    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        return self.inner.vjp(F, xs, batched)
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
         return self.inner.value_and_grad(F, xs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import sys
 from typing import Any, Callable
 
@@ -45,6 +46,33 @@ class ModuleDescription:
     params: list[Any]
     layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
     has_buffers: bool
+    # For `still_describes`: each visited submodule with the objects its dicts held, and
+    # each tensor with the metadata the layout records.
+    contents: tuple = ()
+    tensors: tuple = ()
+
+    def still_describes(self, module: Any) -> bool:
+        """Whether ``module`` is the module described, unchanged: the same objects in every
+        submodule, parameter and buffer slot, each tensor with the same shape, dtype,
+        device and ``requires_grad``. Cheaper than a new walk (no names, no layout)."""
+        if module is not self.module:
+            return False
+        for m, params, buffers, children in self.contents:
+            if not (_holds(m._parameters, params) and _holds(m._buffers, buffers) and _holds(m._modules, children)):
+                return False
+        for tensor, shape, dtype, device, requires_grad in self.tensors:
+            if (
+                tensor.requires_grad is not requires_grad
+                or tensor.dtype is not dtype
+                or tensor.shape != shape
+                or tensor.device != device
+            ):
+                return False
+        return True
+
+
+def _holds(slots: dict, objects: tuple) -> bool:
+    return len(slots) == len(objects) and all(map(operator.is_, slots.values(), objects))
 
 
 def describe_module(module: Any) -> ModuleDescription:
@@ -52,33 +80,36 @@ def describe_module(module: Any) -> ModuleDescription:
     names: list[str] = []
     params: list[Any] = []
     layout: list[Any] = []
+    contents: list[tuple] = []
+    tensors: list[tuple] = []
     seen: set[int] = set()
-    has_buffers = False
 
     def visit(m: Any, prefix: str) -> None:
         if id(m) in seen:
             return
         seen.add(id(m))
         layout.append(type(m))
+        contents.append((m, tuple(m._parameters.values()), tuple(m._buffers.values()), tuple(m._modules.values())))
         for key, p in m._parameters.items():
             if p is None or id(p) in seen:
                 continue
             seen.add(id(p))
             layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
+            tensors.append((p, p.shape, p.dtype, p.device, p.requires_grad))
             if p.requires_grad:
                 names.append(prefix + key)
                 params.append(p)
-        nonlocal has_buffers
         for key, b in m._buffers.items():
             if b is not None:
-                has_buffers = True
                 layout.append((prefix + key, b.shape, b.dtype, b.device))
+                tensors.append((b, b.shape, b.dtype, b.device, b.requires_grad))
         for key, child in m._modules.items():
             if child is not None:
                 visit(child, prefix + key + ".")
 
     visit(module, "")
-    return ModuleDescription(module, names, params, tuple(layout), has_buffers)
+    has_buffers = any(b is not None for _, _, buffers, _ in contents for b in buffers)
+    return ModuleDescription(module, names, params, tuple(layout), has_buffers, tuple(contents), tuple(tensors))
 
 
 def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
@@ -188,7 +219,9 @@ class AutoTorch(Backend):
             return tensor.detach().to(torch.promote_types(tensor.dtype, like.dtype), copy=True)
         return tensor.detach().clone() if not _inside_functorch() else tensor.clone()
 
-    def describe_module(self, module: Any) -> ModuleDescription:
+    def describe_module(self, module: Any, previous: ModuleDescription | None = None) -> ModuleDescription:
+        if previous is not None and previous.still_describes(module):
+            return previous
         return describe_module(module)
 
     def bind_module(self, module: ModuleDescription, params: list[Any] | None) -> Any:
@@ -202,9 +235,11 @@ class AutoTorch(Backend):
 
     # -- reverse mode ---------------------------------------------------------
 
-    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         torch = _torch()
-        if _inside_functorch():
+        # Batches of cotangents: vmap over torch.func's vjp (what torch.func.jacrev does) is
+        # much faster than the tape's is_grads_batched, which vmaps over the autograd engine.
+        if batched or _inside_functorch():
             ys, pull_one, aux = torch.func.vjp(F, xs, has_aux=True)
 
             def pull_func(cts: Flat, batched: bool) -> Flat:
