@@ -5,12 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean flake
+.PHONY: demo test bench install clean flake
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,test,docs]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,test,docs,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Times activity against the raw JAX / torch calls (under 5 minutes on 2 cores) and
+# rewrites docs/benchmarks.md and docs/assets/benchmarks.png.
+bench: $(STAMP)
+	$(PY) -m benchmarks
 
 # The 200-seed sweep of the torch catalogue against finite differences, in two shards
 # (one per core, one thread each).

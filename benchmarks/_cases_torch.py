@@ -1,0 +1,201 @@
+"""PyTorch cases: prepared `activity` calls against hand-written `torch.autograd` / `torch.func`.
+
+Networks are `nn.Module`s passed as `Active(model)`, so ours returns a dict keyed
+like `named_parameters()`; the raw tuple of gradients is arranged into the same
+dict only when checking, never inside the timed call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import activity as ad
+from activity import Active, Constant
+
+from ._case import DENSE_TARGET, FIRST_ORDER_TARGET, PREPARED, SCALING, UNPREPARED, Case
+
+FRAMEWORK = "torch"
+BATCH = 32
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def mlp(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def cnn() -> nn.Module:
+    """16x16 single-channel images: conv 3x3 (4), conv 3x3 stride 2 (8), linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1), nn.Tanh(),
+        nn.Flatten(), nn.Linear(8 * 8 * 8, 1),
+    )
+
+
+LSTM_INPUT, LSTM_HIDDEN, LSTM_STEPS = 8, 32, 10
+
+
+class LSTMRegressor(nn.Module):
+    """`nn.LSTM` over (steps, batch, input), a linear head on the last hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lstm = nn.LSTM(LSTM_INPUT, LSTM_HIDDEN)
+        self.head = nn.Linear(LSTM_HIDDEN, 1)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.lstm(xs)
+        return self.head(h[-1])
+
+
+def mse(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).pow(2).mean()
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def _data(*shape: int) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(*shape)
+
+
+def _by_name(model: nn.Module):
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return lambda grads: dict(zip(names, grads))
+
+
+def _gradient_case(model_name, model, x, size_label, family=PREPARED) -> Case:
+    params = [p for p in model.parameters() if p.requires_grad]
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    return Case(
+        FRAMEWORK, "gradient", family, model_name, parameter_count(model), size_label,
+        raw=lambda: torch.autograd.grad(mse(model, x), params),
+        ours=lambda: prepared(model, x),
+        raw_as_ours=_by_name(model),
+        target=FIRST_ORDER_TARGET,
+    )
+
+
+# Plain tensors for the forward-mode case: `torch.func.jvp` differentiates functions of tensors.
+def functional_mlp(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    h = torch.tanh(h @ params["w2"] + params["b2"])
+    return h @ params["w3"] + params["b3"]
+
+
+def functional_mlp_params(width: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    scale = width ** -0.5
+    return {
+        "w1": torch.randn(width, width) * scale, "b1": torch.zeros(width),
+        "w2": torch.randn(width, width) * scale, "b2": torch.zeros(width),
+        "w3": torch.randn(width, 1) * scale, "b3": torch.zeros(1),
+    }
+
+
+def vector_problem(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(n), torch.randn(n, n) * n ** -0.5
+
+
+def vector_map(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a @ v)
+
+
+def vector_loss(v: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a @ v).pow(2).sum()
+
+
+def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case]:
+    cases = []
+    for width in mlp_widths:
+        model, x, label = mlp(width), _data(BATCH, width), f"width {width}"
+        size = parameter_count(model)
+        cases.append(_gradient_case("MLP", model, x, label))
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        cotangent = torch.ones(BATCH, 1)
+        pullback = ad.prepare(ad.pullback, forward, Active(model), Constant(x), cotangent=cotangent)
+        cases.append(Case(
+            FRAMEWORK, "pullback", PREPARED, "MLP", size, label,
+            raw=lambda model=model, x=x, params=params, ct=cotangent: torch.autograd.grad(model(x), params, ct),
+            ours=lambda model=model, x=x, ct=cotangent, prepared=pullback: prepared(model, x, cotangent=ct),
+            raw_as_ours=_by_name(model),
+        ))
+
+        fparams = functional_mlp_params(width)
+        tangent = {k: torch.ones_like(v) for k, v in fparams.items()}
+        pushforward = ad.prepare(ad.pushforward, functional_mlp, Active(fparams), Constant(x), tangent=tangent)
+        cases.append(Case(
+            FRAMEWORK, "pushforward", PREPARED, "MLP (tensors)", size, label,
+            raw=lambda p=fparams, x=x, t=tangent: torch.func.jvp(lambda p: functional_mlp(p, x), (p,), (t,))[1],
+            ours=lambda p=fparams, x=x, t=tangent, prepared=pushforward: prepared(p, x, tangent=t),
+        ))
+
+    if networks:
+        cases.append(_gradient_case("CNN", cnn(), _data(BATCH, 1, 16, 16), "16x16 images"))
+        cases.append(_gradient_case("LSTM", LSTMRegressor(), _data(LSTM_STEPS, BATCH, LSTM_INPUT), f"{LSTM_STEPS} steps"))
+
+    for n in vector_sizes:
+        v, a = vector_problem(n)
+        label = f"n {n}"
+        jacobian = ad.prepare(ad.jacobian, vector_map, Active(v), Constant(a))
+        cases.append(Case(
+            FRAMEWORK, "jacobian", PREPARED, "tanh(A v)", n, label,
+            raw=lambda v=v, a=a: torch.func.jacrev(vector_map)(v, a),
+            ours=lambda v=v, a=a, prepared=jacobian: prepared(v, a),
+            target=DENSE_TARGET,
+        ))
+        hessian = ad.prepare(ad.hessian, vector_loss, Active(v), Constant(a))
+        cases.append(Case(
+            FRAMEWORK, "hessian", PREPARED, "sum tanh(A v)^2", n, label,
+            raw=lambda v=v, a=a: torch.func.hessian(vector_loss)(v, a),
+            ours=lambda v=v, a=a, prepared=hessian: prepared(v, a),
+            target=DENSE_TARGET,
+        ))
+        t = torch.ones(n)
+        hvp = ad.prepare(ad.hvp, vector_loss, Active(v), Constant(a), tangent=t)
+        cases.append(Case(
+            FRAMEWORK, "hvp", PREPARED, "sum tanh(A v)^2", n, label,
+            raw=lambda v=v, a=a, t=t: torch.func.jvp(lambda v: torch.func.grad(vector_loss)(v, a), (v,), (t,))[1],
+            ours=lambda v=v, a=a, t=t, prepared=hvp: prepared(v, a, tangent=t),
+        ))
+    return cases
+
+
+def unprepared_cases(mlp_widths) -> list[Case]:
+    """Without `prepare`: every call re-inspects the arguments; the raw call is the same autograd call."""
+    cases = []
+    backend = ad.AutoTorch()
+    for width in mlp_widths:
+        model, x, label = mlp(width), _data(BATCH, width), f"width {width}"
+        params = [p for p in model.parameters() if p.requires_grad]
+        size, by_name = parameter_count(model), _by_name(model)
+        cases.append(Case(
+            FRAMEWORK, "gradient", UNPREPARED, "MLP", size, label,
+            raw=lambda model=model, x=x, params=params: torch.autograd.grad(mse(model, x), params),
+            ours=lambda model=model, x=x: ad.gradient(mse, Active(model), Constant(x), backend=backend),
+            raw_as_ours=by_name,
+        ))
+        cotangent = torch.ones(BATCH, 1)
+        cases.append(Case(
+            FRAMEWORK, "pullback", UNPREPARED, "MLP", size, label,
+            raw=lambda model=model, x=x, params=params, ct=cotangent: torch.autograd.grad(model(x), params, ct),
+            ours=lambda model=model, x=x, ct=cotangent: ad.pullback(
+                forward, Active(model), Constant(x), cotangent=ct, backend=backend),
+            raw_as_ours=by_name,
+        ))
+    return cases
+
+
+def scaling_cases(mlp_widths) -> list[Case]:
+    return [_gradient_case("MLP", mlp(w), _data(BATCH, w), f"width {w}", family=SCALING) for w in mlp_widths]

@@ -1,0 +1,331 @@
+"""The benchmark page: markdown tables with short explanations, and one PNG of the ratios."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+import attrs
+
+from ._case import PREPARED, SCALING, UNPREPARED, Case
+from ._closure import CLOSURE_TARGET, ClosureResult
+from ._timing import Timing
+
+PLOT_NAME = "assets/benchmarks.png"
+
+
+@attrs.frozen
+class Measurement:
+    """A case with its timing, or the error that stopped it (shown, never dropped)."""
+
+    case: Case
+    timing: Timing | None = None
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.timing is None else self.timing.ratio
+
+    @property
+    def met(self) -> bool | None:
+        """Whether the target holds: None without a target, False on error."""
+        if self.case.target is None:
+            return None
+        return self.ratio is not None and self.ratio <= self.case.target
+
+
+def environment() -> dict[str, str]:
+    import jax
+    import numpy
+    import torch
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "CPUs": str(os.cpu_count()),
+        "machine": f"{platform.system()} {platform.machine()}",
+        "Python": platform.python_version(),
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "torch threads": str(torch.get_num_threads()),
+    }
+
+
+def _verdict(met: bool | None) -> str:
+    return {True: "met", False: "**not met**", None: "(no target)"}[met]
+
+
+def _cells(m: Measurement) -> list[str]:
+    if m.timing is None:
+        return ["-", "-", "-", f"error: {m.error}"]
+    t = m.timing
+    return [f"{t.raw_us:,.1f}", f"{t.ours_us:,.1f}", f"{t.ours_us - t.raw_us:+,.1f}", f"{t.ratio:.3f}"]
+
+
+def _target_cell(m: Measurement) -> str:
+    if m.case.target is None:
+        return ""
+    return f"<= {m.case.target:g}: {_verdict(m.met)}"
+
+
+def _table(header: list[str], rows: Iterable[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+RAW_NAMES = {
+    ("jax", "gradient", PREPARED): "`jax.jit(jax.grad(f))`",
+    ("jax", "pullback", PREPARED): "`jax.jit` of `jax.vjp`",
+    ("jax", "pushforward", PREPARED): "`jax.jit` of `jax.jvp`",
+    ("jax", "jacobian", PREPARED): "`jax.jit(jax.jacrev(f))`",
+    ("jax", "hessian", PREPARED): "`jax.jit(jax.hessian(f))`",
+    ("jax", "hvp", PREPARED): "`jax.jit` of `jax.jvp(jax.grad(f))`",
+    ("jax", "gradient", UNPREPARED): "`jax.grad(f)` (eager)",
+    ("jax", "pullback", UNPREPARED): "`jax.vjp` (eager)",
+    ("torch", "gradient", PREPARED): "`torch.autograd.grad`",
+    ("torch", "pullback", PREPARED): "`torch.autograd.grad(out, params, ct)`",
+    ("torch", "pushforward", PREPARED): "`torch.func.jvp`",
+    ("torch", "jacobian", PREPARED): "`torch.func.jacrev`",
+    ("torch", "hessian", PREPARED): "`torch.func.hessian`",
+    ("torch", "hvp", PREPARED): "`torch.func.jvp(torch.func.grad(f))`",
+    ("torch", "gradient", UNPREPARED): "`torch.autograd.grad`",
+    ("torch", "pullback", UNPREPARED): "`torch.autograd.grad(out, params, ct)`",
+}
+
+
+def _raw_name(case: Case) -> str:
+    family = UNPREPARED if case.family == UNPREPARED else PREPARED  # scaling times the prepared call
+    return RAW_NAMES.get((case.framework, case.operator, family), "")
+
+
+def measurement_table(measurements: list[Measurement], *, targets: bool = True) -> str:
+    header = ["framework", "operator", "model", "size", "parameters / inputs", "raw", "raw (us)", "activity (us)", "extra (us)", "ratio"]
+    if targets:
+        header.append("target")
+    rows = []
+    for m in measurements:
+        c = m.case
+        row = [c.framework, c.operator, c.model, c.size_label, f"{c.size:,}",
+               _raw_name(c), *_cells(m)]
+        if targets:
+            row.append(_target_cell(m))
+        rows.append(row)
+    return _table(header, rows)
+
+
+def target_rows(measurements: list[Measurement], closure: ClosureResult | None) -> list[list[str]]:
+    """One row per (framework, operator) with a target: its worst ratio over every size and model."""
+    groups: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
+    for m in measurements:
+        if m.case.target is not None and m.case.family in (PREPARED, SCALING):
+            groups[(m.case.framework, m.case.operator)].append(m)
+    rows = []
+    for (framework, operator), group in groups.items():
+        errors = [m for m in group if m.timing is None]
+        timed = [m for m in group if m.timing is not None]
+        worst = max(timed, key=lambda m: m.ratio, default=None)
+        failing = [m for m in group if not m.met]
+        measured = "errors" if worst is None else f"worst {worst.ratio:.3f} ({worst.case.model}, {worst.case.size_label})"
+        if errors and worst is not None:
+            measured += f"; {len(errors)} case(s) failed to run"
+        rows.append([
+            f"prepared {framework} {operator}, every size", f"ratio <= {group[0].case.target:g}", measured,
+            f"{len(group) - len(failing)} of {len(group)}", _verdict(not failing),
+        ])
+    if closure is not None:
+        rows.append([
+            f"closure vs Constant, {closure.batches} batches", f"speedup >= {CLOSURE_TARGET:g}x",
+            f"{closure.speedup:.1f}x", "", _verdict(closure.speedup >= CLOSURE_TARGET),
+        ])
+    return rows
+
+
+def overhead_summary(measurements: list[Measurement]) -> str:
+    """The median time a prepared first-order call adds, per framework: a fixed cost per call."""
+    import statistics
+
+    parts = []
+    for framework in sorted({m.case.framework for m in measurements}):
+        extras = [m.timing.ours_us - m.timing.raw_us for m in measurements
+                  if m.timing is not None and m.case.framework == framework
+                  and m.case.family in (PREPARED, SCALING) and m.case.operator in FIRST_ORDER]
+        if extras:
+            parts.append(f"{framework} {statistics.median(extras):+.1f} us")
+    if not parts:
+        return ""
+    return ("Median time a prepared gradient, pullback or pushforward adds per call, over all sizes: "
+            + ", ".join(parts) + ". It hardly depends on the size of the model, so it weighs on "
+            "calls of a few hundred microseconds and fades on larger ones; that is why the ratios "
+            "fall as the models grow.")
+
+
+def closure_table(closure: ClosureResult) -> str:
+    return _table(
+        ["", "total (s)", "traces / compilations"],
+        [
+            [f"fresh `jax.jit(jax.grad(lambda p: loss(p, x)))` per batch", f"{closure.closure_s:.3f}", str(closure.closure_traces)],
+            ["one `ad.prepare(ad.gradient, loss, Active(p), Constant(x0))`", f"{closure.constant_s:.3f}", str(closure.constant_traces)],
+            ["speedup", f"{closure.speedup:.1f}x", ""],
+        ],
+    )
+
+
+# Colour by operator, line style by framework, so jax and torch lines of one operator pair up.
+OPERATOR_COLOURS = {"gradient": "tab:blue", "pullback": "tab:orange", "pushforward": "tab:green",
+                    "jacobian": "tab:red", "hessian": "tab:purple", "hvp": "tab:brown"}
+FRAMEWORK_STYLES = {"jax": "-", "torch": "--"}
+FIRST_ORDER = ("gradient", "pullback", "pushforward")
+COARSE_RATIO_TICKS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+RATIO_TICKS = (0.1, 0.2, 0.5, 0.8, 0.9, 0.95, 1, 1.05, 1.1, 1.2, 1.5, 2, 3, 5, 10, 20, 50, 100)
+
+
+def write_plot(measurements: list[Measurement], path: Path) -> None:
+    """Ratio against size, log-log: one panel per kind of case, one line per framework/operator."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    panels = [
+        ("prepared, first order, MLPs", "MLP parameters",
+         lambda c: c.family == PREPARED and c.operator in FIRST_ORDER and c.model.startswith("MLP")),
+        ("prepared, second order and dense, f(v)", "input length n",
+         lambda c: c.family == PREPARED and c.operator not in FIRST_ORDER),
+        ("unprepared, against the raw eager call", "MLP parameters", lambda c: c.family == UNPREPARED),
+        ("prepared gradient, scaling", "MLP parameters", lambda c: c.family == SCALING),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    for ax, (title, xlabel, selected) in zip(axes.flat, panels):
+        lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+        for m in measurements:
+            if selected(m.case) and m.ratio is not None:
+                lines[(m.case.framework, m.case.operator)].append((m.case.size, m.ratio))
+        for (framework, operator), points in sorted(lines.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                    color=OPERATOR_COLOURS.get(operator), linestyle=FRAMEWORK_STYLES.get(framework, ":"),
+                    label=f"{framework} {operator}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.05, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        # Log ratios: a 20x outlier must not flatten the differences of a few percent.
+        ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        ticks = RATIO_TICKS if high / low < 4 else COARSE_RATIO_TICKS  # fine ticks would overlap
+        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([t for t in ticks if low <= t <= high]))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("time ratio activity / raw")
+        if lines:
+            ax.legend(fontsize=8)
+    fig.suptitle("activity / raw (1.0: no overhead; dotted: 1.05). Solid: JAX, dashed: PyTorch. CNN and LSTM: tables only.")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def markdown(
+    measurements: list[Measurement],
+    closure: ClosureResult | None,
+    env: dict[str, str],
+    *,
+    seconds: float,
+    rounds: int,
+    quick: bool,
+    round_s: float = 0.02,
+    closure_repeats: int = 1,
+) -> str:
+    by_family = lambda family: [m for m in measurements if m.case.family == family]  # noqa: E731
+    prepared = by_family(PREPARED)
+    sections = [
+        "# Benchmarks",
+        "This page is generated by the benchmark harness in `benchmarks/`; regenerate it with",
+        "```bash\nmake bench                        # or: .venv/bin/python -m benchmarks\n"
+        ".venv/bin/python -m benchmarks --quick   # tiny sizes, few rounds: checks the harness runs\n```",
+        "Every number below comes from one run on the machine described here; timings on "
+        "other machines differ." + (" **This is a `--quick` run: tiny sizes and few rounds, not meaningful timings.**" if quick else ""),
+        "## Machine and versions",
+        _table(["", ""], [[k, v] for k, v in env.items()]),
+        f"The whole run took {seconds:.0f} s. PyTorch runs with `torch.set_num_threads(1)`, "
+        "so a ratio compares single-threaded work on both sides; JAX keeps its defaults.",
+        "## How it is measured",
+        "Each case pairs an `activity` call with the hand-written call it replaces, on the same "
+        "function, parameters and data, in the same process. After a warm-up of both (which "
+        "includes compilation), the harness runs rounds of: *N calls of raw, then N calls of "
+        f"ours*, with N chosen so one batch takes about {round_s * 1e3:g} ms. Alternating spreads slow drifts "
+        f"of the machine evenly over both sides. Over {rounds} rounds it reports the median time "
+        "per call of each side in microseconds and the ratio of the medians, activity / raw "
+        "(1.0: no overhead); *extra* is the difference of the medians, the time `activity` "
+        "adds per call. JAX calls block on their results (`jax.block_until_ready`) on both "
+        "sides, so the time is the computation, not the asynchronous dispatch. Before timing, "
+        "each case checks that both calls return the same result (`tests/test_benchmarks.py` "
+        "does the same at tiny sizes). On this 2-core machine the ratio of a call of about "
+        "100 us moves by a few percent from one run to the next, so a verdict at 1.05 on "
+        "the smallest sizes can flip between runs; the *extra* column is steadier.",
+        "## Targets",
+        _table(["target", "limit", "measured", "cases within", "status"], target_rows(measurements, closure)),
+        "First-order prepared calls should cost what the raw compiled call costs (ratio <= 1.05); "
+        "dense jacobians and hessians may pay a little more (<= 1.2). A target is *met* only "
+        "when every size meets it; a case that failed to run does not meet it.",
+        overhead_summary(measurements),
+        f"![Ratio activity / raw against problem size]({PLOT_NAME})",
+        "## Prepared operators against the raw compiled call",
+        "`ad.prepare(op, f, Active(p), Constant(x))` called as `prepared(p, x)` (with "
+        "`tangent=` or `cotangent=` where the operator takes one). The MLPs have two `tanh` "
+        "hidden layers of the given width on inputs of that width, batch 32 (JAX: a dict of "
+        "arrays; torch: `nn.Sequential`, and a dict of tensors for `torch.func.jvp`). The CNN "
+        "takes 16x16 images (two 3x3 convolutions, a linear head); the LSTM runs 10 steps "
+        "(`nn.LSTM` on torch, a `lax.scan` cell on JAX). Jacobian, hessian and hvp "
+        "differentiate functions of a vector of length n.",
+        measurement_table(prepared),
+        "## Without `prepare`",
+        "`ad.gradient(f, Active(p), Constant(x), backend=...)` called afresh each time, against "
+        "the raw call without compilation: eager `jax.grad(f)(p, x)` and `jax.vjp`, and the same "
+        "`torch.autograd.grad` as above. This is what a user pays for not preparing: on JAX "
+        "the unprepared call may trace and compile, on torch it inspects the arguments again "
+        "on every call. There is no target; see [Preparation](preparation.md).",
+        measurement_table(by_family(UNPREPARED), targets=False),
+    ]
+    if closure is not None:
+        sections += [
+            "## Closure against Constant under `jax.jit`",
+            f"A training-style loop over {closure.batches} new batches of data (MLP width "
+            f"{closure.width}, batch 32). Closure-based code builds `jax.jit(jax.grad(lambda p: "
+            "loss(p, x)))` for each batch: a new function, so JAX traces and compiles it again. "
+            "With `Constant(x)`, one prepared gradient takes each batch as an argument and "
+            "compiles once. Totals include preparation and compilation; each loop ran "
+            f"{closure_repeats} time(s), alternately, and the table gives the median total. Traces are counted by a "
+            "counter incremented inside the loss, whose Python body runs only when JAX traces it. "
+            "See [Why not closures](why-not-closures.md).",
+            closure_table(closure),
+        ]
+    sections += [
+        "## Scaling with the number of parameters",
+        "The prepared gradient against the raw compiled call (`jax.jit(jax.grad(f))`, "
+        "`torch.autograd.grad`) for MLPs whose widths give about 1e3 to 1e6 parameters. Both "
+        "times grow alike with the size of the model, so the ratio stays flat or falls towards "
+        "1.0: what `activity` adds per call does not grow with the model.",
+        measurement_table(by_family(SCALING)),
+        "## Against the raw backend calls, per scenario",
+        "`python -m activity.testing --bench` also times prepared gradients against the raw "
+        "backend calls on the scenario catalogues (see [Testing](testing.md#the-command-line)).",
+    ]
+    return "\n\n".join(s for s in sections if s) + "\n"
+
+
+def write(markdown_text: str, measurements: list[Measurement], output: Path) -> Path:
+    """Writes the page to ``output`` and the plot beside it; returns the plot's path."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(markdown_text)
+    plot = output.parent / PLOT_NAME
+    write_plot(measurements, plot)
+    return plot
