@@ -11,7 +11,6 @@ from ._operators._common import Plan, encode_seeds, operator_of
 from ._problem import array_meta, kinds_of, parse_arguments
 from ._tree import flatten
 from .backends import Backend
-from .backends._base import SignatureChanged
 
 
 class Prepared:
@@ -28,15 +27,16 @@ class Prepared:
         strict: bool,
         options: dict[str, Any],
         seed_kwargs: dict[str, Any],
-        compiled_call: Callable | None = None,
+        values: tuple,
     ):
-        self._compiled_call = compiled_call
         self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs)), plan)]
         self._plan = plan
         self._f, self._strict, self._options = f, strict, options
         self._lock = threading.Lock()
         self.operator = plan.operator.name
         self.backend = plan.backend
+        retrace = None if strict else self._run_new_signature
+        self._compiled_call = plan.backend.compile_call(plan, values, seed_kwargs, retrace)
 
     def __repr__(self) -> str:
         return f"<prepared activity.{self.operator} on {self.backend!r}, strict={self._strict}>"
@@ -52,8 +52,8 @@ class Prepared:
                     break
             if values is not None:
                 try:
-                    return compiled_call(*values, **seed_kwargs)
-                except (SignatureChanged, TypeError, ValueError):
+                    return compiled_call.call(*values, **seed_kwargs)
+                except compiled_call.misses:
                     pass  # not the prepared signature: the checked path says what differs, or prepares again
         plan = self._plan
         problem = plan.problem
@@ -79,6 +79,11 @@ class Prepared:
                 f"or prepare with strict=False to re-prepare automatically."
             )
         return plan.run(values, seeds, split)
+
+    def _run_new_signature(self, values: tuple, seed_kwargs: dict) -> Any:
+        """The whole call on raw values of a new signature, from its own plan (``strict=False``)."""
+        plan = self._plan_for(self._plan.problem.kinds, values, seed_kwargs)
+        return plan.direct()(values, seed_kwargs)
 
     def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
         """The plan for this call's signature (tangents included), prepared on first sight."""
@@ -157,11 +162,8 @@ def prepare(
         raise TypeError(f"activity.{operator.name} does not take has_aux; it is for {', '.join(sorted(_HAS_AUX))}.")
     if operator.name not in _HAS_AUX:
         options = {}
-    plan = Plan(operator, f, kinds, values, backend, options, op_kwargs, "prepared")
-    whole_call = plan.direct()
-    plan.compile()
-    compiled_call = plan.backend.compile_call(whole_call, values, op_kwargs) if plan.problem.arrays_only else None
-    return Prepared(plan, f, strict, options, op_kwargs, compiled_call)
+    plan = Plan(operator, f, kinds, values, backend, options, op_kwargs, "prepared").compile()
+    return Prepared(plan, f, strict, options, op_kwargs, values)
 
 
 _HAS_AUX = {"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"}

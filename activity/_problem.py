@@ -18,7 +18,7 @@ import attrs
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant
 from ._errors import UnsupportedError, add_note
-from ._tree import flatten, leaf_paths, unflatten
+from ._tree import LEAF, flatten, leaf_paths, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
 
@@ -131,6 +131,8 @@ class Problem:
             self._add_argument(position, kind, value)
         self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
         self.bare = tuple(spec.is_leaf() for spec in self.specs)  # the argument is one leaf, not a tree
+        # the type of each one-leaf argument (None for trees): a value of that type is that leaf
+        self.bare_types = tuple(type(value) if bare else None for value, bare in zip(values, self.bare))
 
     # ------------------------------------------------------------------ parsing
 
@@ -215,8 +217,8 @@ class Problem:
         check = kinds is not None
         as_array, meta_of = self.backend.as_array, self.backend.array_meta
         for position, (value, roles) in enumerate(zip(values, self.roles)):
-            if self.bare[position] and (arrays.is_torch(value) or arrays.is_torch_module(value)):
-                leaves, spec = [value], self.specs[position]  # a lone tensor or module: no tree to walk
+            if type(value) is self.bare_types[position]:
+                leaves, spec = [value], LEAF  # a lone array or module, as prepared: no tree to walk
             else:
                 leaves, spec = flatten(value)
             active = self.kinds[position] == "active"
@@ -297,15 +299,10 @@ class Problem:
         self, f: Callable, ctx: tuple, traced: Traced, *, has_aux: bool = False, scalar: bool = False
     ) -> Callable[[tuple], tuple[tuple, Any]]:
         """``F(xs) -> (output leaves, dynamic part of aux)``: f with its arguments rebuilt from leaves."""
-        backend, op_name = self.backend, self.op_name
+        op_name = self.op_name
 
         def F(xs: tuple) -> tuple[tuple, Any]:
-            values = self.rebuild(xs, ctx)
-            try:
-                out = f(*values)
-            except Exception as error:
-                add_note(error, f"(raised by f inside activity.{op_name} with backend {backend!r})")
-                raise
+            out = self.call(f, self.rebuild(xs, ctx))
             if has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise ValueError(
@@ -316,11 +313,27 @@ class Problem:
                 aux_dynamic, traced.aux_static = partition(aux)
             else:
                 aux_dynamic = ()  # torch.func accepts only tensors (and containers) as aux
-            ys, traced.out_spec = flatten(out)
-            self._check_output(out, ys, scalar)
-            return tuple(map(backend.as_array, ys)), aux_dynamic  # a float output becomes an array
+            ys, traced.out_spec = self.output_leaves(out, scalar)
+            return ys, aux_dynamic
 
         return F
+
+    def call(self, f: Callable, values: Sequence[Any]) -> Any:
+        """``f(*values)``; an error it raises keeps its type and traceback, with a note saying where."""
+        try:
+            return f(*values)
+        except Exception as error:
+            add_note(error, f"(raised by f inside activity.{self.op_name} with backend {self.backend!r})")
+            raise
+
+    def output_leaves(self, out: Any, scalar: bool) -> tuple[tuple, Any]:
+        """The array leaves of f's output ``out`` (a float becomes an array) and its structure, checked."""
+        if arrays.is_array(out):  # the usual output, without a tree walk
+            ys, spec = [out], LEAF
+        else:
+            ys, spec = flatten(out)
+        self._check_output(out, ys, scalar)
+        return tuple(map(self.backend.as_array, ys)), spec
 
     def _check_output(self, out: Any, ys: list, scalar: bool) -> None:
         if not ys:
@@ -385,7 +398,7 @@ class Problem:
                     leaves.append({name: cast(next(it), next(dtypes)) for name in names})
                 else:
                     leaves.append(None)
-            results.append(unflatten(self.specs[position], leaves))
+            results.append(leaves[0] if self.bare[position] else unflatten(self.specs[position], leaves))
         return results[0] if len(results) == 1 else tuple(results)
 
     def flat_like_active(self, tree: Any, what: str) -> tuple:

@@ -76,6 +76,9 @@ def _learn_type(value: Any) -> bool:
     return _node_types[cls]
 
 
+LEAF = optree.tree_structure(0, namespace=NAMESPACE)  # the structure of any single leaf
+
+
 def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
     """Leaves and structure of ``tree``; ``None`` is an empty node, not a leaf."""
     while True:

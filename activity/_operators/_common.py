@@ -131,13 +131,13 @@ class Plan:
                     f"{backend!r} does not support activity.{operator.name} with {a(kind.capitalize())} "
                     f"argument ({mode}). See the support table: {type(backend).__name__}().capabilities()."
                 )
-        self.operator, self.backend = operator, backend
+        self.operator, self.backend, self.f, self.options = operator, backend, f, options
         self.problem = Problem(operator.name, kinds, values, backend)
         if operator.scalar_input:
             self._check_scalar_inputs(values)
         self.seeds = encode_seeds(operator, self.problem, seed_kwargs)
         self.seed_key = None if self.seeds is None else self.seeds.key
-        self.pipeline = operator.build(self.problem, f, backend, self.seeds, **options)
+        self.pipeline = self.source_pipeline = operator.build(self.problem, f, backend, self.seeds, **options)
 
     def _check_scalar_inputs(self, values: tuple) -> None:
         problem = self.problem
@@ -158,7 +158,7 @@ class Plan:
     def direct(self) -> Callable[[tuple, dict], Any]:
         """The whole call, checks and split included, as one function of the arguments'
         values and the seed keywords: what `Backend.compile_call` compiles end to end."""
-        operator, problem, pipeline, finalize = self.operator, self.problem, self.pipeline, self.backend.finalize
+        operator, problem, pipeline, finalize = self.operator, self.problem, self.source_pipeline, self.backend.finalize
 
         def whole_call(values: tuple, seed_kwargs: dict) -> Any:
             seeds = encode_seeds(operator, problem, seed_kwargs)

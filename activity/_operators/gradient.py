@@ -14,7 +14,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux, scalar=True)
         ys, aux, grads = backend.value_and_grad(F, xs)
         aux = traced.aux(aux) if has_aux else None
-        return with_value(value, traced.output(ys), has_aux, aux, problem.like_active(grads))
+        return with_value(value, traced.output(ys) if value else None, has_aux, aux, problem.like_active(grads))
 
     return pipeline
 

@@ -15,7 +15,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux)
         in_shapes = [arrays.shape(x) for x in xs]
         in_sizes = [arrays.size(x) for x in xs]
-        ys, aux, pull = backend.vjp(F, xs, batched=True)
+        ys, aux, pull = backend.vjp(F, xs)
         out_shapes = [arrays.shape(y) for y in ys]
         out_sizes = [arrays.size(y) for y in ys]
         if sum(out_sizes) == 0 or sum(in_sizes) == 0:  # nothing to differentiate: empty blocks

@@ -16,7 +16,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
 
     def pipeline(xs, ctx, cts):
         xs, traced, F = start(problem, f, backend, xs, ctx)
-        ys, _, pull = backend.vjp(F, xs, batched)
+        ys, _, pull = backend.vjp(F, xs)
         cts = _checked(problem, traced, seeds, cts, ys)
         grads = pull(cts, batched)
         result = per_seed(seeds, lambda b: problem.like_active(grads if b is None else [g[b] for g in grads]))

@@ -22,6 +22,8 @@ from .._problem import array_meta
 Flat = tuple
 FlatFunction = Callable[[Flat], "tuple[Flat, Any]"]
 
+NO_CONTEXT = contextlib.nullcontext()  # reusable; entered on every call, so made once
+
 _BACKEND_FOR = {"jax": "AutoJAX()", "torch": "AutoTorch()"}
 _DISPLAY = {"jax": "JAX", "torch": "torch"}
 KINDS = ("active", "constant", "cache")
@@ -95,7 +97,7 @@ class Backend:
 
     def context(self) -> contextlib.AbstractContextManager:
         """Entered around every call (grad mode, precision)."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         """Called at the start of every pipeline run (finite differences work in float64)."""
@@ -113,15 +115,20 @@ class Backend:
         """Turn a pipeline into its prepared form (JIT, where the backend has one)."""
         return pipeline
 
-    def compile_call(self, call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
-        """A prepared call compiled end to end, or None where the backend has no such path.
+    def compile_call(
+        self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
+    ) -> "CompiledCall | None":
+        """A prepared call specialised end to end for ``plan``'s signature, or None.
 
-        ``call(values, seed_kwargs)`` is the whole operator on the user's own
-        arguments (split, checks and pipeline); the compiled form is called as
-        ``compiled(*values, **seed_kwargs)``. For arguments that differ from
-        ``values`` in any way it does not handle, it must raise `SignatureChanged`,
-        TypeError or ValueError; the prepared operator then takes its checked
-        path, which says what differs or prepares again.
+        ``plan.direct()`` is the whole operator as one function of the user's
+        own arguments (split, checks and pipeline), for a backend that compiles
+        it; ``values`` and ``seed_kwargs`` are the preparation's arguments. The
+        result is called as ``call(*values, **seed_kwargs)`` with raw values;
+        where it cannot take a call, it raises one of its ``misses`` before
+        running ``f``, and the prepared operator takes its checked path, which
+        says what differs or prepares again. ``retrace(values, seed_kwargs)``,
+        given for ``strict=False``, computes the result for a new signature
+        from its own plan (a compiling backend may trace it, once per signature).
         """
         return None
 
@@ -132,10 +139,8 @@ class Backend:
         """``(ys, aux, dys)``: ``F`` and its derivative along ``ts`` (a leading batch axis if batched)."""
         raise NotImplementedError
 
-    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
-        """``(ys, aux, pull)``: ``F`` and a function pulling cotangents back to ``xs``.
-
-        ``batched``: the cotangents will come in batches (a backend may pick another method)."""
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        """``(ys, aux, pull)``: ``F`` and a function pulling cotangents back to ``xs``."""
         raise NotImplementedError
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
@@ -189,3 +194,11 @@ def stack_batch(items: Sequence[Flat]) -> Flat:
 
 class SignatureChanged(Exception):
     """A compiled call met arguments it was not compiled for (see `Backend.compile_call`)."""
+
+
+@attrs.frozen
+class CompiledCall:
+    """A prepared call specialised by a backend, and the exceptions by which it declines one."""
+
+    call: Callable
+    misses: tuple[type[BaseException], ...] = (SignatureChanged,)

@@ -200,7 +200,7 @@ class AutoFiniteDifferences(Backend):
             previous_row = row
         return best, best_error
 
-    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         xs = _for(F, xs)
         ys, aux = F(xs)
         jacobian: list = []  # (sum of output sizes, sum of input sizes), built on first pull

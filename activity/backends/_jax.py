@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 
 from .._problem import array_meta, combine, partition
-from ._base import Backend, Flat, FlatFunction, SignatureChanged
+from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
 def _jax() -> Any:
@@ -67,7 +67,7 @@ class AutoJAX(Backend):
             ys, dys, aux = jax.vmap(one, out_axes=(None, 0, None))(ts)
         return ys, aux, dys
 
-    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         jax = _jax()
         ys, pull_one, aux = jax.vjp(F, xs, has_aux=True)
 
@@ -95,29 +95,42 @@ class AutoJAX(Backend):
 
         return run
 
-    def compile_call(self, call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+    def compile_call(
+        self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
+    ) -> CompiledCall | None:
         # `jax.jit` of the whole call, arguments as the user passes them: JAX
         # flattens them and finds the compiled code in C++, so a prepared call
-        # costs what a call of `jax.jit(jax.grad(f))` costs.
-        jitted = _sealed_jit(call, values, seed_kwargs)
+        # costs what a call of `jax.jit(jax.grad(f))` costs. JAX refuses
+        # arguments it cannot take (a torch tensor, a string) with TypeError or
+        # ValueError, before anything runs. With `retrace`, a new signature is
+        # traced once more into the same jitted function, from its own plan.
+        if type(self) is not AutoJAX or not plan.problem.arrays_only:
+            return None  # a subclass may change any step: it gets the generic path, which runs its hooks
+        call, misses = plan.direct(), (SignatureChanged, TypeError, ValueError)
+        jitted = _sealed_jit(call, values, seed_kwargs, retrace)
         if jitted is not None:
-            return jitted
+            return CompiledCall(jitted, misses)
+        if retrace is not None:  # the static part of the output may differ between signatures
+            return None
         dynamic_only, rebuild = _with_static_output(call)  # an output JAX cannot return (a string in aux)
-        jitted = _sealed_jit(dynamic_only, values, seed_kwargs)
+        jitted = _sealed_jit(dynamic_only, values, seed_kwargs, None)
         if jitted is None:
             return None
-        return lambda *values, **seed_kwargs: rebuild(jitted(*values, **seed_kwargs))
+        return CompiledCall(lambda *values, **seed_kwargs: rebuild(jitted(*values, **seed_kwargs)), misses)
 
 
-def _sealed_jit(call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+def _sealed_jit(call: Callable, values: tuple, seed_kwargs: dict, retrace: Callable | None) -> Callable | None:
     """``jax.jit`` of ``call``, traced, compiled and run once on ``values``, then sealed:
-    a later call that would trace again has another signature and raises SignatureChanged."""
+    a later call that would trace again has another signature, and is traced from
+    ``retrace`` or, without it, raises SignatureChanged."""
     sealed = False
 
     def whole(*values: Any, **seed_kwargs: Any) -> Any:
-        if sealed:
+        if not sealed:
+            return call(values, seed_kwargs)
+        if retrace is None:
             raise SignatureChanged
-        return call(values, seed_kwargs)
+        return retrace(values, seed_kwargs)
 
     jitted = _jax().jit(whole)
     try:

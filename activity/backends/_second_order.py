@@ -92,17 +92,17 @@ class SecondOrder(Backend):
             return self.outer.compile(pipeline)
         return pipeline
 
-    def compile_call(self, call: Callable, values: tuple, seed_kwargs: dict) -> Callable | None:
+    def compile_call(self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None) -> Any:
         if type(self.outer) is type(self.inner):
-            return self.outer.compile_call(call, values, seed_kwargs)
+            return self.outer.compile_call(plan, values, seed_kwargs, retrace)
         return None
 
     # First-order primitives are the inner backend's.
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         return self.inner.jvp(F, xs, ts, batched)
 
-    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
-        return self.inner.vjp(F, xs, batched)
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+        return self.inner.vjp(F, xs)
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
         return self.inner.value_and_grad(F, xs)

@@ -23,7 +23,8 @@ from typing import Any, Callable
 import attrs
 
 from .. import _arrays as arrays
-from ._base import Backend, Flat, FlatFunction
+from .._tree import unflatten
+from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
 def _torch() -> Any:
@@ -46,19 +47,21 @@ class ModuleDescription:
     params: list[Any]
     layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
     has_buffers: bool
-    # For `still_describes`: each visited submodule with the objects its dicts held, and
-    # each tensor with the metadata the layout records.
-    contents: tuple = ()
+    # For `still_describes`: the parameter, buffer and submodule dicts of every visited
+    # module, with the objects each held (empty ones apart), and each tensor's metadata.
+    filled: tuple = ()
+    empty: tuple = ()
     tensors: tuple = ()
 
     def still_describes(self, module: Any) -> bool:
         """Whether ``module`` is the module described, unchanged: the same objects in every
         submodule, parameter and buffer slot, each tensor with the same shape, dtype,
-        device and ``requires_grad``. Cheaper than a new walk (no names, no layout)."""
-        if module is not self.module:
+        device and ``requires_grad``. Cheaper than a new walk (no names, no layout): it
+        runs on every prepared call."""
+        if module is not self.module or any(self.empty):
             return False
-        for m, params, buffers, children in self.contents:
-            if not (_holds(m._parameters, params) and _holds(m._buffers, buffers) and _holds(m._modules, children)):
+        for slots, objects in self.filled:
+            if len(slots) != len(objects) or not all(map(operator.is_, slots.values(), objects)):
                 return False
         for tensor, shape, dtype, device, requires_grad in self.tensors:
             if (
@@ -71,16 +74,12 @@ class ModuleDescription:
         return True
 
 
-def _holds(slots: dict, objects: tuple) -> bool:
-    return len(slots) == len(objects) and all(map(operator.is_, slots.values(), objects))
-
-
 def describe_module(module: Any) -> ModuleDescription:
     """Walk ``module`` once: its trainable parameters and the layout a prepared operator checks."""
     names: list[str] = []
     params: list[Any] = []
     layout: list[Any] = []
-    contents: list[tuple] = []
+    slot_dicts: list[dict] = []
     tensors: list[tuple] = []
     seen: set[int] = set()
 
@@ -89,7 +88,7 @@ def describe_module(module: Any) -> ModuleDescription:
             return
         seen.add(id(m))
         layout.append(type(m))
-        contents.append((m, tuple(m._parameters.values()), tuple(m._buffers.values()), tuple(m._modules.values())))
+        slot_dicts.extend((m._parameters, m._buffers, m._modules))
         for key, p in m._parameters.items():
             if p is None or id(p) in seen:
                 continue
@@ -108,8 +107,10 @@ def describe_module(module: Any) -> ModuleDescription:
                 visit(child, prefix + key + ".")
 
     visit(module, "")
-    has_buffers = any(b is not None for _, _, buffers, _ in contents for b in buffers)
-    return ModuleDescription(module, names, params, tuple(layout), has_buffers, tuple(contents), tuple(tensors))
+    has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
+    filled = tuple((slots, tuple(slots.values())) for slots in slot_dicts if slots)
+    empty = tuple(slots for slots in slot_dicts if not slots)
+    return ModuleDescription(module, names, params, tuple(layout), has_buffers, filled, empty, tuple(tensors))
 
 
 def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
@@ -225,51 +226,51 @@ class AutoTorch(Backend):
         return describe_module(module)
 
     def bind_module(self, module: ModuleDescription, params: list[Any] | None) -> Any:
-        own = params is None or all(new is old for new, old in zip(params, module.params))
+        own = params is None or all(map(operator.is_, params, module.params))
         if own and not module.has_buffers:
             return module.module  # the tape differentiates the parameters themselves: nothing to copy
         return bound_view(module.module, params, _clone)
 
     def context(self) -> contextlib.AbstractContextManager:
-        return _torch().enable_grad()
+        torch = _torch()
+        return NO_CONTEXT if torch.is_grad_enabled() else torch.enable_grad()
+
+    def compile_call(
+        self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
+    ) -> CompiledCall | None:
+        # A subclass may change any step; it gets the generic path, which runs each of its hooks.
+        if type(self) is not AutoTorch:
+            return None
+        if plan.operator.name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
+            return CompiledCall(_tape_gradient(plan))
+        return None
 
     # -- reverse mode ---------------------------------------------------------
 
-    def vjp(self, F: FlatFunction, xs: Flat, batched: bool = False) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         torch = _torch()
-        # Batches of cotangents: vmap over torch.func's vjp (what torch.func.jacrev does) is
-        # much faster than the tape's is_grads_batched, which vmaps over the autograd engine.
-        if batched or _inside_functorch():
-            ys, pull_one, aux = torch.func.vjp(F, xs, has_aux=True)
-
-            def pull_func(cts: Flat, batched: bool) -> Flat:
-                if batched:
-                    return torch.func.vmap(lambda ct: pull_one(ct)[0])(cts)
-                return pull_one(cts)[0]
-
-            return ys, aux, pull_func
+        if _inside_functorch():
+            return _func_vjp(F, xs)
 
         leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
+        func_pull: list = []  # torch.func's pull for batched cotangents, made on first use
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not connected:
                 lead = (arrays.shape(cts[0])[0],) if batched else ()
                 return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) for x in xs)
+            if batched:
+                # vmap over torch.func's vjp (what torch.func.jacrev does) is much faster than the
+                # tape's is_grads_batched, which vmaps over the autograd engine: worth a forward pass.
+                if not func_pull:
+                    func_pull.append(_func_vjp(F, xs)[2])
+                return func_pull[0](cts, True)
             outputs = [ys[i] for i in connected]
             seeds = [cts[i] for i in connected]
-            if batched:
-                grads = torch.autograd.grad(
-                    outputs, leaves, seeds, retain_graph=True, allow_unused=True, is_grads_batched=True
-                )
-            else:
-                grads = torch.autograd.grad(outputs, leaves, seeds, retain_graph=True, allow_unused=True)
-            lead = (arrays.shape(cts[0])[0],) if batched else ()
-            return tuple(
-                g if g is not None else torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device)
-                for g, x in zip(grads, xs)
-            )
+            grads = torch.autograd.grad(outputs, leaves, seeds, retain_graph=True, allow_unused=True)
+            return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
 
         return tuple(y.detach() for y in ys), aux, pull
 
@@ -310,6 +311,59 @@ class AutoTorch(Backend):
         else:
             ys, dys, aux = torch.func.vmap(one, out_dims=(None, 0, None))(ts)
         return ys, aux, dys
+
+
+def _func_vjp(F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    """`torch.func.vjp` of ``F``, pulling single or batched (vmapped) cotangents."""
+    torch = _torch()
+    ys, pull_one, aux = torch.func.vjp(F, xs, has_aux=True)
+
+    def pull(cts: Flat, batched: bool) -> Flat:
+        if batched:
+            return torch.func.vmap(lambda ct: pull_one(ct)[0])(cts)
+        return pull_one(cts)[0]
+
+    return ys, aux, pull
+
+
+def _tape_gradient(plan: Any) -> Callable:
+    """A prepared gradient straight on the tape, for the prepared signature.
+
+    The same steps as the generic gradient (check and split the arguments,
+    rebuild them, run f, `torch.autograd.grad`, arrange the result), without
+    the layers that let one pipeline serve every operator and backend: on a
+    small model those cost more than the forward and backward passes. Calls
+    it does not cover (another signature, grad mode off, inside `torch.func`)
+    raise SignatureChanged before f runs and take the generic path.
+    """
+    torch = _torch()
+    problem, f, kinds = plan.problem, plan.f, plan.problem.kinds
+    value_wanted = plan.operator.name == "value_and_gradient"
+
+    def gradient(*values: Any, **seed_kwargs: Any) -> Any:
+        split = None if seed_kwargs or len(values) != len(kinds) else problem.split(values, kinds)
+        if split is None or not torch.is_grad_enabled() or _inside_functorch():
+            raise SignatureChanged
+        xs, ctx = split
+        leaves = tuple(map(_tape_leaf, xs))
+        out = problem.call(f, problem.rebuild(leaves, ctx))
+        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.dtype.is_floating_point:
+            y, spec = out, None
+        else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
+            (y,), spec = problem.output_leaves(out, scalar=True)
+        if y.requires_grad:
+            grads = torch.autograd.grad(y, leaves, allow_unused=True)
+            if any(g is None for g in grads):  # a leaf f does not use
+                grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
+        else:
+            grads = tuple(torch.zeros_like(x) for x in xs)
+        result = problem.like_active(grads)
+        if not value_wanted:
+            return result
+        value = y.detach()
+        return (value if spec is None else unflatten(spec, [value]), result)
+
+    return gradient
 
 
 def _tape_leaf(x: Any) -> Any:
