@@ -19,8 +19,9 @@ demo: $(STAMP)
 	$(PY) examples/quickstart.py
 	$(PY) -m activity.testing
 
+# One worker per core; a test file stays on one worker, so its module fixtures run once.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # Times activity against the raw JAX / torch calls (under 5 minutes on 2 cores) and
 # rewrites docs/benchmarks.md and docs/assets/benchmarks.png.

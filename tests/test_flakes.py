@@ -20,7 +20,7 @@ def _seeds(spec: str) -> range:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", _seeds(os.environ.get("ACTIVITY_FLAKE_SEEDS", "2")))
+@pytest.mark.parametrize("seed", _seeds(os.environ.get("ACTIVITY_FLAKE_SEEDS", "3")))
 def test_torch_catalogue_passes_on_every_seed(seed):
     report = test_differentiation([ad.AutoTorch()], nn_scenarios("torch", seed=seed))
     assert report.counts() == {"pass": len(report.scenarios), "FAIL": 0, "unsupported": 0}
