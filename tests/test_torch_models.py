@@ -279,3 +279,50 @@ def test_cache_pytrees_written_in_place_in_every_operator(op):
     else:
         expected = torch.func.jvp(torch.func.grad(lambda w: pure(w).sum()), (w,), (t,))[1]
         torch.testing.assert_close(ad.hvp(f, Active(w), cache, tangents=[t])[0], expected)
+
+
+@pytest.mark.parametrize("op", [ad.gradient, ad.value_and_gradient])
+def test_prepared_gradient_sees_every_change_to_the_module_between_calls(op):
+    """Prepared calls check that the module is the one prepared: parameters updated in place or
+    a layer replaced by one of the same layout give the new gradients (never stale ones); any
+    change of layout is a mismatch."""
+    model, x = _model("linear_chain")
+    prepared = ad.prepare(op, mean_loss, Active(model), Constant(x))
+
+    def grads_of(result):
+        return result[1] if op is ad.value_and_gradient else result
+
+    def assert_matches_autograd():
+        _, expected = _reference(model, x)
+        got = grads_of(prepared(model, x))
+        assert set(got) == set(expected)
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k])
+
+    assert_matches_autograd()
+    with torch.no_grad():  # an optimiser step: same objects, new values
+        for p in model.parameters():
+            p.mul_(0.5).add_(0.1)
+    assert_matches_autograd()
+    model[2] = nn.Linear(model[2].in_features, model[2].out_features)  # new objects, same layout
+    assert_matches_autograd()
+
+    def replace_layer():
+        model[2] = nn.Linear(model[2].in_features, model[2].out_features, bias=False)
+
+    def freeze():
+        model[0].weight.requires_grad_(False)
+
+    def reshape():
+        model[0].bias.data = torch.zeros(model[0].bias.shape[0] + 1)
+
+    def new_buffer():
+        model[0].register_buffer("scale", torch.ones(1))
+
+    for change, where in [(replace_layer, "2.bias"), (freeze, "0.weight"), (reshape, "0.bias"), (new_buffer, "scale")]:
+        model, x = _model("linear_chain")
+        prepared = ad.prepare(op, mean_loss, Active(model), Constant(x))
+        prepared(model, x)
+        change()
+        with pytest.raises(ad.PreparationMismatchError, match=r"argument 0\b"):
+            prepared(model, x)
