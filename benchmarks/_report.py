@@ -206,7 +206,7 @@ def closure_table(closure: ClosureResult) -> str:
     return _table(
         ["", "total (s)", "traces / compilations"],
         [
-            [f"fresh `jax.jit(jax.grad(lambda p: loss(p, x)))` per batch", f"{closure.closure_s:.3f}", str(closure.closure_traces)],
+            ["fresh `jax.jit(jax.grad(lambda p: loss(p, x)))` per batch", f"{closure.closure_s:.3f}", str(closure.closure_traces)],
             ["one `ad.prepare(ad.gradient, loss, Active(p), Constant(x0))`", f"{closure.constant_s:.3f}", str(closure.constant_traces)],
             ["speedup", f"{closure.speedup:.1f}x", ""],
         ],
