@@ -171,11 +171,12 @@ arguments and their split into differentiated and constant leaves are traced wit
 derivative, so JAX's C++ dispatch checks shapes and dtypes and finds the compiled code,
 as it does for the raw `jax.jit(jax.grad(f))`. What remains is the prepared object's
 own Python entry (a call frame, a scan for annotated arguments, the guard that sends a
-new signature to the checked path): about 1 to 3 us per call. On the smallest
-calls here (10 to 15 us: the jacobian, hessian and hvp at n = 8, the first-order calls
-at width 8) that is 10 to 20 %; from about 100 us on it is within the noise. It
-cannot go while the prepared object accepts annotated arguments and explains a
-mismatch instead of recompiling silently.
+new signature to the checked path): about 1 to 3 us per call, measured alone. On the
+smallest calls here (10 to 20 us: the jacobian, hessian and hvp at n = 8 and 64) that
+is 10 to 20 %; on the first-order calls at width 8 (about 100 us) the rows move by
++-10 % from one run to the next on this machine, more than that cost. It cannot go
+while the prepared object accepts annotated arguments and explains a mismatch
+instead of recompiling silently.
 
 **PyTorch.** A prepared torch `gradient` runs on the autograd tape like the raw call,
 but first checks that the module is still the one prepared: every submodule, parameter
@@ -185,8 +186,8 @@ fails); it then arranges the gradients in a dict keyed like `named_parameters()`
 raw call does none of this: it reuses a parameter list made once, so a layer replaced
 between calls, or a parameter frozen with `requires_grad_(False)`, silently gets a stale
 or wrong gradient. That check and the argument handling are a few tens of
-microseconds of Python per call: 10 to 20 % of a width-8 MLP step, about 1 % at width
-1024. They are the price of the strict contract of `prepare` (a change of layout raises
+microseconds of Python per call: about 20 % of a width-8 MLP step (300 us), 10 % at
+width 256, 2 % at width 1024. They are the price of the strict contract of `prepare` (a change of layout raises
 `PreparationMismatchError`); the check was made cheap (no walk, no names, no layout
 tuples on the common path), not optional. Pullbacks and pushforwards on torch run
 through the generic pipeline, shared by every operator, and pay more.
