@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ._annotations import Annotation
 from ._errors import PreparationMismatchError
 from ._operators._common import Plan, encode_seeds, operator_of
-from ._problem import array_meta, kinds_of, parse_arguments
+from ._problem import kinds_of, parse_arguments
 from ._tree import flatten
 from .backends import Backend
 
@@ -29,7 +29,7 @@ class Prepared:
         seed_kwargs: dict[str, Any],
         values: tuple,
     ):
-        self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs)), plan)]
+        self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs, plan.backend)), plan)]
         self._plan = plan
         self._f, self._strict, self._options = f, strict, options
         self._lock = threading.Lock()
@@ -87,7 +87,7 @@ class Prepared:
 
     def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
         """The plan for this call's signature (tangents included), prepared on first sight."""
-        key = (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs))
+        key = (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs, self.backend))
         with self._lock:
             for known, plan in self._plans:
                 if _same_key(known, key):
@@ -100,15 +100,16 @@ class Prepared:
         return plan
 
 
-def _raw_seed_key(seed_kwargs: dict[str, Any]) -> tuple:
-    """Which tangent keyword was given, batch size, structure and leaf layouts."""
+def _raw_seed_key(seed_kwargs: dict[str, Any], backend: Backend) -> tuple:
+    """Which tangent keyword was given, batch size, structure and leaf layouts (as the backend
+    checks them, like the arguments' signature)."""
     key = []
     for name in sorted(k for k, v in seed_kwargs.items() if v is not None):
         value = seed_kwargs[name]
         batch = len(value) if name.endswith("s") and isinstance(value, (list, tuple)) else None
         first = value[0] if batch else value
         leaves, spec = flatten(first)
-        key.append((name, batch, spec, tuple(array_meta(leaf) for leaf in leaves)))
+        key.append((name, batch, spec, tuple(backend.array_meta(leaf) for leaf in leaves)))
     return tuple(key)
 
 

@@ -73,15 +73,21 @@ NO_RECOMPILE_OPS = [
 ]
 
 
+def counted(f):
+    """``f`` and the list it appends to on each run: under JAX, one entry per trace."""
+    traces = []
+
+    def counted_f(*args):
+        traces.append(1)
+        return f(*args)
+
+    return counted_f, traces
+
+
 @pytest.mark.parametrize("op, seed, expected", NO_RECOMPILE_OPS)
 def test_new_constant_batches_never_recompile(op, seed, expected, assert_tree_close, intact):
     """A Python counter in f grows only when JAX traces; five new batches of data do not retrace."""
-    traces = []
-
-    def counted_loss(w, data):
-        traces.append(1)
-        return loss(w, data)
-
+    counted_loss, traces = counted(loss)
     rng = np.random.default_rng(0)
     w = f32(rng.normal(size=3))
 
@@ -111,12 +117,7 @@ def test_new_constant_batches_never_recompile(op, seed, expected, assert_tree_cl
 def test_numpy_where_jax_was_prepared_is_accepted_like_jax_jit_does(assert_tree_close):
     """jax.jit runs numpy arrays of a prepared JAX array's shape and canonical dtype without
     recompiling; a prepared AutoJAX operator does the same, raw or annotated, and refuses float16."""
-    traces = []
-
-    def counted_loss(w, data):
-        traces.append(1)
-        return loss(w, data)
-
+    counted_loss, traces = counted(loss)
     rng = np.random.default_rng(1)
     w = f32(rng.normal(size=3))
     data = (f32(rng.normal(size=(5, 3))), f32(rng.normal(size=5)))

@@ -281,12 +281,7 @@ class AutoTorch(Backend):
             return ys, aux, grads
         leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
-        if not ys[0].requires_grad:
-            return ys, aux, tuple(torch.zeros_like(x) for x in xs)
-        grads = torch.autograd.grad(ys[0], leaves, allow_unused=True)
-        if any(g is None for g in grads):  # a leaf f does not use
-            grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
-        return (ys[0].detach(),), aux, grads
+        return (ys[0].detach(),), aux, _tape_grads(ys[0], leaves, xs)
 
     def gradient_function(self, F: FlatFunction) -> FlatFunction:
         torch = _torch()
@@ -351,19 +346,25 @@ def _tape_gradient(plan: Any) -> Callable:
             y, spec = out, None
         else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
             (y,), spec = problem.output_leaves(out, scalar=True)
-        if y.requires_grad:
-            grads = torch.autograd.grad(y, leaves, allow_unused=True)
-            if any(g is None for g in grads):  # a leaf f does not use
-                grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
-        else:
-            grads = tuple(torch.zeros_like(x) for x in xs)
-        result = problem.like_active(grads)
+        result = problem.like_active(_tape_grads(y, leaves, xs))
         if not value_wanted:
             return result
         value = y.detach()
         return (value if spec is None else unflatten(spec, [value]), result)
 
     return gradient
+
+
+def _tape_grads(y: Any, leaves: Flat, xs: Flat) -> Flat:
+    """The gradient of the scalar ``y`` with respect to the tape ``leaves`` made from ``xs``
+    (zeros for a leaf ``y`` does not depend on)."""
+    torch = _torch()
+    if not y.requires_grad:
+        return tuple(torch.zeros_like(x) for x in xs)
+    grads = torch.autograd.grad(y, leaves, allow_unused=True)
+    if any(g is None for g in grads):
+        grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
+    return grads
 
 
 def _tape_leaf(x: Any) -> Any:
