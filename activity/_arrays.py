@@ -60,11 +60,26 @@ def dtype_kind(x: Any) -> str:
         if x.dtype.is_complex:
             return "c"
         return "b" if x.dtype == sys.modules["torch"].bool else "i"
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
+    if not is_array(x):  # a module or any other object with a ``dtype`` attribute is not an array
         return "?"
-    kind = np.dtype(dtype).kind
+    try:
+        kind = np.dtype(x.dtype).kind
+    except TypeError:  # extended dtypes such as JAX's typed PRNG keys: data, never floating
+        return "?"
+    if kind == "V" and _is_ml_float(x.dtype):  # bfloat16, float8_*: numpy calls them void
+        return "f"
     return {"u": "i"}.get(kind, kind) if kind in "fciub" else "?"
+
+
+def _is_ml_float(dtype: Any) -> bool:
+    ml_dtypes = sys.modules.get("ml_dtypes")  # imported by JAX; an array of these types implies it
+    if ml_dtypes is None:
+        return False
+    try:
+        ml_dtypes.finfo(dtype)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def shape(x: Any) -> tuple[int, ...]:

@@ -316,6 +316,7 @@ class Problem:
             ys, traced.out_spec = self.output_leaves(out, scalar)
             return ys, aux_dynamic
 
+        F.op_name = op_name  # type: ignore[attr-defined]  # for a backend's messages
         return F
 
     def call(self, f: Callable, values: Sequence[Any]) -> Any:

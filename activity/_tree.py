@@ -1,16 +1,25 @@
 """Pytree utilities shared by every backend.
 
-Trees are flattened with optree in a private namespace. Dataclasses, attrs
-classes and types registered with JAX (Equinox modules) are registered in that
-namespace on first sight, so a user's classes work as pytrees on every backend
-without touching any global registry.
+Trees are flattened with optree in a private namespace, so a user's classes
+work as pytrees on every backend without touching any global registry. A type
+optree does not know is registered in that namespace on first sight, and
+round-trips the way its own library defines:
+
+1. types optree knows (natively, or registered in its global namespace) never
+   reach this module: optree flattens them before they are seen as leaves;
+2. types registered with JAX (Equinox modules) use JAX's flatten/unflatten;
+3. types registered with torch's pytree (Hugging Face ``ModelOutput``), once
+   torch is imported, use torch's;
+4. other attrs and dataclass instances are flattened field by field (a
+   dataclass that is also a mapping, item by item).
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import optree
@@ -18,6 +27,9 @@ import optree
 NAMESPACE = "activity"
 
 _node_types: dict[type, bool] = {}  # type -> "registered as a node in NAMESPACE"
+
+
+# ------------------------------------------------------------------ JAX
 
 
 def _jax_registered(value: Any) -> bool:
@@ -40,18 +52,149 @@ def _register_jax_node(cls: type) -> None:
     optree.register_pytree_node(cls, flatten, lambda treedef, children: treedef.unflatten(children), namespace=NAMESPACE)
 
 
-def _register_fields_node(cls: type, names: tuple[str, ...]) -> None:
+# ------------------------------------------------------------------ torch
+
+
+def _torch_node(cls: type) -> Any:
+    """torch's pytree definition of ``cls`` (a ``NodeDef``), or None.
+
+    Only when torch's pytree module is already imported: this module never
+    imports torch, and nothing can be registered with a module not loaded.
+    """
+    pytree = sys.modules.get("torch.utils._pytree")
+    return None if pytree is None else pytree.SUPPORTED_NODES.get(cls)
+
+
+def _register_torch_node(cls: type, node: Any) -> None:
+    def flatten(value: Any) -> tuple[list, _Context, tuple]:
+        if node.flatten_with_keys_fn is None:
+            children, context = node.flatten_fn(value)
+            entries = tuple(f"[{index}]" for index in range(len(children)))
+        else:  # keys such as MappingKey('logits') print as the paths users write: ['logits']
+            pairs, context = node.flatten_with_keys_fn(value)
+            children, entries = [child for _, child in pairs], tuple(str(key) for key, _ in pairs)
+        return children, _Context(context), entries
+
+    def unflatten(context: _Context, children: Any) -> Any:
+        return node.unflatten_fn(list(children), context.value)
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+
+
+class _Context:
+    """torch's pytree context (often a list, e.g. a ModelOutput's keys) as the hashable
+    metadata optree stores in a structure: structures are compared and used as cache keys."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Context):
+            return NotImplemented
+        try:
+            return self.value is other.value or bool(self.value == other.value)
+        except Exception:  # noqa: BLE001 - a context whose == is not a bool compares by identity
+            return False
+
+    def __hash__(self) -> int:
+        try:
+            return hash(_frozen(self.value))
+        except TypeError:  # unhashable inside: equal contexts still share this hash
+            return hash(type(self.value))
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(map(_frozen, value))
+    if isinstance(value, dict):  # equal dicts in another order must hash alike
+        return frozenset((key, _frozen(item)) for key, item in value.items())
+    return value
+
+
+# ------------------------------------------------------------------ attrs and dataclasses
+
+
+def _register_fields_node(cls: type, fields: list[tuple[str, bool]]) -> None:
+    """``cls`` flattened field by field; ``fields`` are (name, taken by __init__)."""
+    names = tuple(name for name, _ in fields)
+
     def flatten(node: Any) -> tuple[list, None, tuple]:
         return [getattr(node, name) for name in names], None, tuple("." + name for name in names)
 
-    def unflatten(_: None, children: Any) -> Any:
-        # Bypass __init__ (it may validate or convert); frozen classes allow object.__setattr__.
-        node = object.__new__(cls)
-        for name, child in zip(names, children):
-            object.__setattr__(node, name, child)
+    build = _builder(cls, fields)
+    optree.register_pytree_node(cls, flatten, lambda _, children: build(children), namespace=NAMESPACE)
+
+
+def _builder(cls: type, fields: list[tuple[str, bool]]) -> Callable[[Any], Any]:
+    """How to rebuild an instance of ``cls`` from its field values.
+
+    Without __init__ where possible: it may validate or convert, and a result
+    holds None at non-floating leaves. That needs a ``__new__`` that takes no
+    arguments (object's, or a builtin base's such as dict's, which
+    ``object.__new__`` refuses); a class with its own ``__new__`` is built
+    through its constructor instead, with the fields __init__ takes.
+    """
+    names = tuple(name for name, _ in fields)
+    owner = next(klass for klass in cls.__mro__ if "__new__" in vars(klass))
+    if owner is object or owner.__module__ == "builtins":
+
+        def blank(children: Any) -> Any:
+            node = cls.__new__(cls)
+            for name, child in zip(names, children):
+                object.__setattr__(node, name, child)  # frozen classes allow object.__setattr__
+            return node
+
+        return blank
+
+    def construct(children: Any) -> Any:
+        values = dict(zip(names, children))
+        node = cls(**{name: values[name] for name, init in fields if init})
+        for name, init in fields:
+            if not init:
+                object.__setattr__(node, name, values[name])
         return node
 
+    return construct
+
+
+def _register_mapping_node(cls: type) -> None:
+    """A dataclass that is also a mapping (a dict subclass): its items are its content, which
+    its own fields need not match, so it is flattened item by item and rebuilt through its
+    constructor with the items as keywords (the only way to fill both its fields and its
+    items; a Hugging Face ModelOutput unknown to torch's pytree is rebuilt the same way)."""
+
+    def flatten(node: Any) -> tuple[list, tuple, tuple]:
+        keys = tuple(node.keys())
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"{cls.__name__} is a dataclass and a mapping with the non-string key {key!r}, so activity "
+                    f"cannot rebuild it as {cls.__name__}(**items). Register {cls.__name__} as a pytree node "
+                    f"(optree.register_pytree_node, torch.utils._pytree.register_pytree_node or "
+                    f"jax.tree_util.register_pytree_node) to say how it is flattened and rebuilt."
+                )
+        return [node[key] for key in keys], keys, tuple(f"[{key!r}]" for key in keys)
+
+    def unflatten(keys: tuple, children: Any) -> Any:
+        return cls(**dict(zip(keys, children)))
+
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+
+
+def _fields(cls: type) -> list[tuple[str, bool]] | None:
+    if attrs.has(cls):
+        return [(a.name, a.init) for a in attrs.fields(cls)]
+    if dataclasses.is_dataclass(cls):
+        return [(f.name, f.init) for f in dataclasses.fields(cls)]
+    return None
+
+
+# ------------------------------------------------------------------ learning types
 
 
 def _learn_type(value: Any) -> bool:
@@ -65,11 +208,14 @@ def _learn_type(value: Any) -> bool:
     elif _jax_registered(value):
         _register_jax_node(cls)
         _node_types[cls] = True
-    elif attrs.has(cls):
-        _register_fields_node(cls, tuple(a.name for a in attrs.fields(cls)))
+    elif (node := _torch_node(cls)) is not None:
+        _register_torch_node(cls, node)
         _node_types[cls] = True
-    elif dataclasses.is_dataclass(cls):
-        _register_fields_node(cls, tuple(f.name for f in dataclasses.fields(cls)))
+    elif (fields := _fields(cls)) is not None:
+        if issubclass(cls, collections.abc.Mapping):
+            _register_mapping_node(cls)
+        else:
+            _register_fields_node(cls, fields)
         _node_types[cls] = True
     else:
         _node_types[cls] = False

@@ -626,10 +626,12 @@ def test_backend_mutating_a_constant_is_caught(framework):
 
 @attrs.frozen
 class ModuleRunningTorch(ad.AutoTorch):
-    """Runs f on the user's own module instead of a bound view: BatchNorm statistics change."""
+    """Binds the user's own buffers in the view instead of copies: BatchNorm statistics change."""
 
     def bind_module(self, module, params):
-        return module.module
+        from activity.backends._torch_modules import bound_view
+
+        return bound_view(module, params, lambda tensor: tensor)
 
 
 def test_backend_updating_batchnorm_statistics_is_caught():
@@ -730,12 +732,10 @@ def test_prep_args_catch_a_backend_that_uses_preparation_values(default_torch):
 class GradPollutingTorch(ad.AutoTorch):
     """Leaves ``.grad`` set on the user's parameters, like a stray ``loss.backward()``."""
 
-    def value_and_grad(self, F, xs):
-        out = super().value_and_grad(F, xs)
-        for x in xs:
-            if isinstance(x, torch.nn.Parameter):
-                x.grad = torch.zeros_like(x)
-        return out
+    def bind_module(self, module, params):
+        for p in module.params:  # the user's own parameters
+            p.grad = torch.zeros_like(p)
+        return super().bind_module(module, params)
 
 
 def test_backend_setting_grad_on_parameters_is_caught():

@@ -15,6 +15,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux)
         in_shapes = [arrays.shape(x) for x in xs]
         in_sizes = [arrays.size(x) for x in xs]
+        replay = backend.random_state()
         ys, aux, pull = backend.vjp(F, xs)
         out_shapes = [arrays.shape(y) for y in ys]
         out_sizes = [arrays.size(y) for y in ys]
@@ -25,7 +26,8 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
             rows = pull(cts, True)
             by_input = [blocks(r, out_sizes, out_shapes, s, inner_first=False) for r, s in zip(rows, in_shapes)]
             matrix = [[column[j] for column in by_input] for j in range(len(ys))]
-        else:  # forward: one pushforward per input entry
+        else:  # forward: one pushforward per input entry, a second evaluation drawing the same random numbers
+            backend.restore_random_state(replay)
             ys, aux, columns = backend.jvp(F, xs, input_basis(xs, backend), True)
             matrix = [blocks(c, in_sizes, in_shapes, s, inner_first=True) for c, s in zip(columns, out_shapes)]
         jac = traced.output([problem.like_active(row) for row in matrix])

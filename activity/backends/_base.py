@@ -99,6 +99,14 @@ class Backend:
         """Entered around every call (grad mode, precision)."""
         return NO_CONTEXT
 
+    def random_state(self) -> Any:
+        """The global random state ``f`` may draw from (None if the backend has none to keep)."""
+        return None
+
+    def restore_random_state(self, state: Any) -> None:
+        """Rewind to `random_state`'s ``state``: an operator evaluating ``f`` a second time
+        replays the same random numbers, so both evaluations are one function."""
+
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         """Called at the start of every pipeline run (finite differences work in float64)."""
         return xs, ctx

@@ -10,6 +10,7 @@ import attrs
 from .._operators._names import SECOND_ORDER
 from ._base import Backend, Flat, FlatFunction
 from ._finite_differences import AutoFiniteDifferences
+from ._torch import AutoTorch
 
 
 def _is_backend(instance: Any, attribute: Any, value: Any) -> None:
@@ -20,13 +21,24 @@ def _is_backend(instance: Any, attribute: Any, value: Any) -> None:
         )
 
 
+_MODES = ("forward-over-reverse", "reverse-over-reverse")
+
+
+def _is_mode(instance: Any, attribute: Any, value: Any) -> None:
+    if value not in _MODES:
+        raise ValueError(f"SecondOrder(mode={value!r}): choose {' or '.join(map(repr, _MODES))}.")
+
+
 @attrs.frozen
 class SecondOrder(Backend):
     """Second-order operators as ``outer`` differentiating ``inner``'s first derivatives.
 
-    First-order operators run on ``inner``. An AD ``outer`` cannot differentiate
+    First-order operators run on ``inner``, in the precision ``outer`` evaluates in
+    (float64 for finite differences, modules included). An AD ``outer`` cannot differentiate
     through finite differences, so ``inner=AutoFiniteDifferences()`` needs
-    ``outer=AutoFiniteDifferences()``.
+    ``outer=AutoFiniteDifferences()``. ``mode`` says how ``outer`` differentiates the
+    gradient in `hvp` and `hessian`: along the tangents (``"forward-over-reverse"``) or
+    pulling them back (``"reverse-over-reverse"``; the Hessian is symmetric).
 
     >>> import numpy as np
     >>> import activity as ad
@@ -37,6 +49,7 @@ class SecondOrder(Backend):
 
     outer: Backend = attrs.field(validator=_is_backend)  # type: ignore[assignment]
     inner: Backend = attrs.field(validator=_is_backend)  # type: ignore[assignment]
+    mode: str = attrs.field(default="forward-over-reverse", validator=_is_mode)
 
     def supports(self, operator: str, kind: str, mode: str = "unprepared") -> bool:
         if operator not in SECOND_ORDER:
@@ -72,7 +85,9 @@ class SecondOrder(Backend):
         return self.inner.describe_module(module, previous)
 
     def bind_module(self, module: Any, params: list[Any] | None) -> Any:
-        return self.inner.bind_module(module, params)
+        # In the precision the outer backend evaluates in: finite differences convert the
+        # differentiated parameters to float64, so buffers and frozen parameters must be too.
+        return self.outer.bind_module(module, params)
 
     # The outer backend owns precision and compilation of the whole pipeline.
     def context(self) -> contextlib.AbstractContextManager:
@@ -80,6 +95,12 @@ class SecondOrder(Backend):
         stack.enter_context(self.outer.context())
         stack.enter_context(self.inner.context())
         return stack
+
+    def random_state(self) -> Any:
+        return self.inner.random_state()  # the inner backend runs f
+
+    def restore_random_state(self, state: Any) -> None:
+        self.inner.restore_random_state(state)
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         return self.outer.convert_inputs(*self.inner.convert_inputs(xs, ctx))
@@ -99,6 +120,9 @@ class SecondOrder(Backend):
 
     # First-order primitives are the inner backend's.
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
+        # A user's tangents were made in the inputs' dtype, before `convert_inputs` gave the
+        # primals the outer backend's precision (float64 for finite differences).
+        ts = tuple(self.inner.as_tangent(t, x.dtype) for t, x in zip(ts, xs))
         return self.inner.jvp(F, xs, ts, batched)
 
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
@@ -106,3 +130,11 @@ class SecondOrder(Backend):
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
         return self.inner.value_and_grad(F, xs)
+
+    def value_and_hvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Flat, Any, Flat]:
+        if self.mode == "forward-over-reverse":
+            return super().value_and_hvp(F, xs, ts, batched)
+        if type(self.outer) is type(self.inner) is AutoTorch:  # its own double backward on the tape
+            return attrs.evolve(self.outer, hvp_mode="reverse-over-reverse").value_and_hvp(F, xs, ts, batched)
+        grads, (ys, aux), pull = self.outer.vjp(self.inner.gradient_function(F), xs)
+        return ys, grads, aux, pull(ts, batched)

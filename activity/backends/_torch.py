@@ -1,30 +1,38 @@
-"""PyTorch: the autograd tape for gradients and pullbacks, `torch.func` for the rest.
+"""PyTorch: the autograd tape first, `torch.func` where it is faster or needed.
 
-`torch.autograd.grad` on the tape is the fastest reverse mode on small
-models; it never touches ``.grad``. Forward mode, batched products and
-second order use `torch.func` (`jvp`, `vjp`, `grad`, `vmap`). Inside an outer
-`torch.func` transform the tape is unavailable, so reverse mode switches to
-`torch.func` there too.
+Reverse mode runs on the tape (`torch.autograd.grad`, batched cotangents with
+``is_grads_batched``): one evaluation of ``f``, any operation autograd knows,
+random layers drawing once. Forward mode and batched second order use
+`torch.func` (`jvp`, `grad`, `vmap`); where torch cannot run a function that
+way (no forward-mode rule, a custom `autograd.Function` without
+``setup_context``, random operations under `vmap`, batching gaps) the backend
+falls back to the tape. Inside an outer `torch.func` transform the tape is
+unavailable, so everything runs through `torch.func` there.
 
-Modules never run themselves: ``f`` gets a *bound view*, a structural copy
-whose parameters are the differentiated tensors and whose buffers are fresh
-copies made inside the current transform, so BatchNorm statistics, flags and
-``.grad`` of the user's module never change.
+Differentiated leaves are always fresh tensors, never the user's own: only
+the Active argument's occurrence is differentiated, even where the same
+parameter is also a Constant, tied into another module or captured by ``f``.
+Modules run as views (see `_torch_modules`), so BatchNorm statistics, flags
+and ``.grad`` of the user's module never change.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import operator
 import sys
+import threading
+import warnings
 from typing import Any, Callable
 
 import attrs
 
 from .. import _arrays as arrays
-from .._tree import unflatten
+from .._tree import flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
+from ._torch_modules import ModuleDescription, bound_view, describe_module
 
 
 def _torch() -> Any:
@@ -35,158 +43,69 @@ def _inside_functorch() -> bool:
     return _torch()._C._functorch.maybe_current_level() is not None
 
 
-# ------------------------------------------------------------------ modules
+# torch's forward-AD levels are process-global: two threads in torch.func.jvp corrupt each other.
+_FORWARD_AD = threading.RLock()
+
+_HVP_MODES = ("auto", "forward-over-reverse", "reverse-over-reverse")
+
+# Messages by which torch says a function cannot run under torch.func (not that f is wrong).
+_TRANSFORM_LIMITS = (
+    "forward ad",
+    "forward-mode ad",
+    "forward mode ad",
+    "vmap",
+    "batching rule",
+    "batched",
+    "setup_context",
+    "functorch",
+    "torch.func",
+    "randomness",
+    "data pointer of tensor that doesn't have storage",  # .numpy(), data_ptr() on a transform's wrapper
+)
 
 
-@attrs.frozen(eq=False)
-class ModuleDescription:
-    """What one walk over a module found (see `describe_module`)."""
-
-    module: Any
-    names: list[str]  # trainable parameters, named like named_parameters(), shared ones once
-    params: list[Any]
-    layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
-    has_buffers: bool
-    # For `still_describes`: the parameter, buffer and submodule dicts of every visited
-    # module, with the objects each held (empty ones apart), and each tensor's metadata.
-    filled: tuple = ()
-    empty: tuple = ()
-    tensors: tuple = ()
-
-    def still_describes(self, module: Any) -> bool:
-        """Whether ``module`` is the module described, unchanged: the same objects in every
-        submodule, parameter and buffer slot, each tensor with the same shape, dtype,
-        device and ``requires_grad``. Cheaper than a new walk (no names, no layout): it
-        runs on every prepared call."""
-        if module is not self.module or any(self.empty):
-            return False
-        for slots, objects in self.filled:
-            if len(slots) != len(objects) or not all(map(operator.is_, slots.values(), objects)):
-                return False
-        for tensor, shape, dtype, device, requires_grad in self.tensors:
-            if (
-                tensor.requires_grad is not requires_grad
-                or tensor.dtype is not dtype
-                or tensor.shape != shape
-                or tensor.device != device
-            ):
-                return False
-        return True
+def _is_transform_limit(error: BaseException) -> bool:
+    return isinstance(error, (RuntimeError, NotImplementedError)) and any(
+        text in str(error).lower() for text in _TRANSFORM_LIMITS
+    )
 
 
-def describe_module(module: Any) -> ModuleDescription:
-    """Walk ``module`` once: its trainable parameters and the layout a prepared operator checks."""
-    names: list[str] = []
-    params: list[Any] = []
-    layout: list[Any] = []
-    slot_dicts: list[dict] = []
-    tensors: list[tuple] = []
-    seen: set[int] = set()
-
-    def visit(m: Any, prefix: str) -> None:
-        if id(m) in seen:
-            return
-        seen.add(id(m))
-        layout.append(type(m))
-        slot_dicts.extend((m._parameters, m._buffers, m._modules))
-        for key, p in m._parameters.items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
-            tensors.append((p, p.shape, p.dtype, p.device, p.requires_grad))
-            if p.requires_grad:
-                names.append(prefix + key)
-                params.append(p)
-        for key, b in m._buffers.items():
-            if b is not None:
-                layout.append((prefix + key, b.shape, b.dtype, b.device))
-                tensors.append((b, b.shape, b.dtype, b.device, b.requires_grad))
-        for key, child in m._modules.items():
-            if child is not None:
-                visit(child, prefix + key + ".")
-
-    visit(module, "")
-    has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
-    filled = tuple((slots, tuple(slots.values())) for slots in slot_dicts if slots)
-    empty = tuple(slots for slots in slot_dicts if not slots)
-    return ModuleDescription(module, names, params, tuple(layout), has_buffers, filled, empty, tuple(tensors))
+def _disconnected(op_name: str | None) -> ValueError:
+    where = f"activity.{op_name}" if op_name else "activity"
+    return ValueError(
+        f"{where} (AutoTorch): f's output does not depend on the Active argument(s) through operations "
+        f"torch can differentiate, so torch has no derivative to give. Likely causes inside f: .item(), "
+        f".tolist(), .numpy() or torch.tensor(...) on a computed value, .detach(), torch.no_grad(), or "
+        f".requires_grad_(False) on an input. Keep the computation in torch tensors; if f really does not "
+        f"depend on these arguments, mark them Constant(...)."
+    )
 
 
-def bound_view(module: Any, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
-    """A copy of ``module``'s structure whose trainable parameters are ``params``.
+def _in_choices(name: str, choices: tuple) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"AutoTorch({name}={value!r}): choose one of {', '.join(map(repr, choices))}.")
 
-    ``params`` follow `describe_module`'s order (None: a Constant module, no
-    parameter replaced). Every other parameter and buffer is ``convert``-ed (a
-    clone for AD, a float64 copy for finite differences). Shared submodules and
-    tied parameters stay shared in the view; the original is never written.
-    A submodule in which nothing is replaced (no buffers, its own parameters
-    passed back, as on the autograd tape) is used as it is, without a copy.
-    """
-    replacements = iter(params or ())
-    replaced: dict[int, Any] = {}
-    views: dict[int, Any] = {}
-
-    def tensor_for(t: Any, trainable: bool) -> Any:
-        if t is None:
-            return None
-        new = replaced.get(id(t))
-        if new is None:
-            new = next(replacements) if trainable else convert(t)
-            replaced[id(t)] = new
-        return new
-
-    def view(m: Any) -> Any:
-        existing = views.get(id(m))
-        if existing is not None:
-            return existing
-        parameters = {
-            k: tensor_for(p, params is not None and p is not None and p.requires_grad) for k, p in m._parameters.items()
-        }
-        buffers = {k: tensor_for(b, False) for k, b in m._buffers.items()}
-        modules = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
-        unchanged = (
-            all(new is old for new, old in zip(parameters.values(), m._parameters.values()))
-            and all(new is old for new, old in zip(buffers.values(), m._buffers.values()))
-            and all(new is old for new, old in zip(modules.values(), m._modules.values()))
-        )
-        if unchanged:
-            views[id(m)] = m
-            return m
-        new = object.__new__(type(m))
-        state = m.__dict__.copy()
-        state.update(_parameters=parameters, _buffers=buffers, _modules=modules)
-        if "_flat_weights_names" in state:  # RNNs cache their weights in a list
-            state["_flat_weights"] = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
-        object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
-        views[id(m)] = new
-        return new
-
-    return view(module)
+    return check
 
 
-def float64_copy(module: ModuleDescription, params: list[Any] | None) -> Any:
-    """The module evaluated in float64 on copies (finite differences)."""
-    torch = _torch()
-
-    def convert(t: Any) -> Any:
-        t = t.detach()
-        return t.to(torch.float64, copy=True) if t.dtype.is_floating_point else t.clone()
-
-    return bound_view(module.module, params, convert)
-
-
-def _clone(t: Any) -> Any:
-    return t.clone() if not isinstance(t, _torch().nn.Parameter) else t
-
-
-# ------------------------------------------------------------------ backend
-
-
-@attrs.frozen
+@attrs.frozen(repr=False)
 class AutoTorch(Backend):
-    """Differentiate with PyTorch: tape-based `torch.autograd.grad` for gradients and
-    pullbacks, `torch.func` for forward mode, batched products and second order.
+    """Differentiate with PyTorch: the autograd tape for reverse mode, `torch.func` for
+    forward mode and batched second order, the tape again where `torch.func` cannot run.
+
+    Args:
+        hvp_mode: ``"reverse-over-reverse"`` (double backward on the tape),
+            ``"forward-over-reverse"`` (`torch.func.jvp` of `torch.func.grad`), or
+            ``"auto"``: double backward for one tangent, forward over reverse
+            (vectorised with `vmap`) for a batch and Hessians, each falling back
+            to the other where torch cannot run it.
+        vectorize: ``None`` (auto) vectorises batches with `vmap` and falls back
+            to the tape or a loop where torch cannot; ``True`` always vectorises
+            (torch's error propagates); ``False`` never does (loops on the tape).
+        randomness: `torch.func.vmap`'s ``randomness`` for vectorised batches:
+            ``"error"`` (random operations under `vmap` fall back to the tape, which
+            draws once for the whole batch), ``"different"`` or ``"same"``.
 
     >>> import torch
     >>> import activity as ad
@@ -196,7 +115,14 @@ class AutoTorch(Backend):
     (['bias', 'weight'], tensor([3.]))
     """
 
+    hvp_mode: str = attrs.field(default="auto", validator=_in_choices("hvp_mode", _HVP_MODES))
+    vectorize: bool | None = attrs.field(default=None, validator=_in_choices("vectorize", (None, True, False)))
+    randomness: str = attrs.field(default="error", validator=_in_choices("randomness", ("error", "different", "same")))
     framework = "torch"
+
+    def __repr__(self) -> str:
+        changed = [f"{a.name}={getattr(self, a.name)!r}" for a in attrs.fields(type(self)) if getattr(self, a.name) != a.default]
+        return f"{type(self).__name__}({', '.join(changed)})"
 
     # -- leaves ---------------------------------------------------------------
 
@@ -216,7 +142,7 @@ class AutoTorch(Backend):
         # Made here, inside the transform, so f may write into it in place.
         torch = _torch()
         tensor = leaf if isinstance(leaf, torch.Tensor) else torch.as_tensor(leaf)
-        if like is not None and like.dtype != tensor.dtype:
+        if like is not None and like.dtype != tensor.dtype and tensor.dtype.is_floating_point:
             return tensor.detach().to(torch.promote_types(tensor.dtype, like.dtype), copy=True)
         return tensor.detach().clone() if not _inside_functorch() else tensor.clone()
 
@@ -226,14 +152,44 @@ class AutoTorch(Backend):
         return describe_module(module)
 
     def bind_module(self, module: ModuleDescription, params: list[Any] | None) -> Any:
-        own = params is None or all(map(operator.is_, params, module.params))
-        if own and not module.has_buffers:
-            return module.module  # the tape differentiates the parameters themselves: nothing to copy
-        return bound_view(module.module, params, _clone)
+        if params is None and not (module.has_buffers or module.has_inference):
+            return module.module  # a Constant module that nothing can change runs as it is
+        return bound_view(module, params, _copy_for_view)
+
+    # -- execution ------------------------------------------------------------
+
+    def random_state(self) -> Any:
+        return None if _inside_functorch() else _rng_state()
+
+    def restore_random_state(self, state: Any) -> None:
+        if state is not None:
+            _torch().set_rng_state(state)
 
     def context(self) -> contextlib.AbstractContextManager:
         torch = _torch()
+        if torch.is_inference_mode_enabled():  # no tape at all in there: leave it for the call
+            stack = contextlib.ExitStack()
+            stack.enter_context(torch.inference_mode(False))
+            stack.enter_context(torch.enable_grad())
+            return stack
         return NO_CONTEXT if torch.is_grad_enabled() else torch.enable_grad()
+
+    def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
+        if _inside_functorch():
+            return xs, ctx  # the outer transform differentiates through them
+        return tuple(map(_plain, xs)), tuple(map(_plain, ctx))
+
+    def finalize(self, result: Any, problem: Any) -> Any:
+        """Results are plain tensors, off every graph, unless an outer transform differentiates the call."""
+        if _inside_functorch():
+            return result
+        torch = _torch()
+        if isinstance(result, torch.Tensor):
+            return result.detach() if result.requires_grad else result
+        leaves, spec = flatten(result)
+        if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+            return result
+        return unflatten(spec, [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
     def compile_call(
         self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
@@ -248,29 +204,35 @@ class AutoTorch(Backend):
     # -- reverse mode ---------------------------------------------------------
 
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
-        torch = _torch()
         if _inside_functorch():
-            return _func_vjp(F, xs)
-
+            return _func_vjp(F, xs, self)
         leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
-        func_pull: list = []  # torch.func's pull for batched cotangents, made on first use
+        if not connected:
+            raise _disconnected(getattr(F, "op_name", None))
+        outputs = [ys[i] for i in connected]
+
+        def one(cts: Flat) -> Flat:
+            grads = _torch().autograd.grad(outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True)
+            return _zeros_for_unused(grads, xs, F)
 
         def pull(cts: Flat, batched: bool) -> Flat:
-            if not connected:
-                lead = (arrays.shape(cts[0])[0],) if batched else ()
-                return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) for x in xs)
-            if batched:
-                # vmap over torch.func's vjp (what torch.func.jacrev does) is much faster than the
-                # tape's is_grads_batched, which vmaps over the autograd engine: worth a forward pass.
-                if not func_pull:
-                    func_pull.append(_func_vjp(F, xs)[2])
-                return func_pull[0](cts, True)
-            outputs = [ys[i] for i in connected]
-            seeds = [cts[i] for i in connected]
-            grads = torch.autograd.grad(outputs, leaves, seeds, retain_graph=True, allow_unused=True)
-            return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
+            if not batched:
+                return one(cts)
+            if self.vectorize is not False:
+                try:
+                    grads = _torch().autograd.grad(
+                        outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True,
+                        is_grads_batched=True,
+                    )
+                except (RuntimeError, NotImplementedError) as error:
+                    if self.vectorize or not _is_transform_limit(error):
+                        raise
+                else:
+                    batch = _zeros_for_unused(grads, xs, F, lead=arrays.shape(cts[0])[:1])
+                    return batch if _agrees_with_one(batch, cts, one) else _loop(one, cts)
+            return _loop(one, cts)
 
         return tuple(y.detach() for y in ys), aux, pull
 
@@ -281,7 +243,7 @@ class AutoTorch(Backend):
             return ys, aux, grads
         leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
-        return (ys[0].detach(),), aux, _tape_grads(ys[0], leaves, xs)
+        return (ys[0].detach(),), aux, _tape_grads(ys[0], leaves, xs, getattr(F, "op_name", None))
 
     def gradient_function(self, F: FlatFunction) -> FlatFunction:
         torch = _torch()
@@ -296,29 +258,254 @@ class AutoTorch(Backend):
     # -- forward mode ---------------------------------------------------------
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
-        torch = _torch()
+        if _inside_functorch():
+            return _func_jvp(F, xs, ts, batched, self)
+        state = _rng_state()
+        try:
+            return _func_jvp(F, xs, ts, batched, self)
+        except (RuntimeError, NotImplementedError) as error:
+            if self.vectorize or not _is_transform_limit(error):
+                raise
+            _torch().set_rng_state(state)  # the failed attempt drew nothing, as far as the caller can tell
+        return _tape_jvp(F, xs, ts, batched, self)
 
-        def one(tangent: Flat) -> tuple:
-            return torch.func.jvp(F, (xs,), (tangent,), has_aux=True)
+    # -- second order ---------------------------------------------------------
 
-        if not batched:
-            ys, dys, aux = one(ts)
+    def value_and_hvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Flat, Any, Flat]:
+        mode = self.hvp_mode
+        # Inside torch.func only torch.func runs; a subclass may change a primitive, so it gets
+        # the generic composition of its primitives (as in `compile_call`).
+        if _inside_functorch() or type(self) is not AutoTorch:
+            return super().value_and_hvp(F, xs, ts, batched)
+        if mode == "auto":
+            first, second = (_forward_over_reverse, _tape_hvp) if batched else (_tape_hvp, _forward_over_reverse)
+        elif mode == "forward-over-reverse":
+            first, second = _forward_over_reverse, None
         else:
-            ys, dys, aux = torch.func.vmap(one, out_dims=(None, 0, None))(ts)
-        return ys, aux, dys
+            first, second = _tape_hvp, None
+        state = _rng_state()
+        try:
+            return first(self, F, xs, ts, batched)
+        except (RuntimeError, NotImplementedError) as error:
+            if second is None or not _is_transform_limit(error):
+                raise
+            _torch().set_rng_state(state)
+        return second(self, F, xs, ts, batched)
 
 
-def _func_vjp(F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
-    """`torch.func.vjp` of ``F``, pulling single or batched (vmapped) cotangents."""
+# ------------------------------------------------------------------ primitives
+
+
+def _plain(leaf: Any) -> Any:
+    """A tensor the call may use freely: off the user's graph, not an inference tensor."""
     torch = _torch()
-    ys, pull_one, aux = torch.func.vjp(F, xs, has_aux=True)
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    if leaf.is_inference():
+        return leaf.clone()  # outside inference mode: a normal tensor autograd can save
+    return leaf.detach() if leaf.requires_grad else leaf
 
-    def pull(cts: Flat, batched: bool) -> Flat:
-        if batched:
-            return torch.func.vmap(lambda ct: pull_one(ct)[0])(cts)
+
+def _copy_for_view(t: Any) -> Any:
+    """What a view holds for a tensor it does not differentiate: a buffer copy f may update
+    (BatchNorm statistics), a frozen parameter as it is (made usable outside inference mode)."""
+    if t.is_inference():
+        return t.clone()
+    return t if isinstance(t, _torch().nn.Parameter) else t.clone()
+
+
+def _tape_leaf(x: Any) -> Any:
+    """A fresh tensor the tape differentiates: never the user's own, so no other use of the
+    same tensor (a Constant, a tied module, a closure) is differentiated with it."""
+    if x.is_inference():
+        return x.clone().requires_grad_()
+    return x.detach().requires_grad_()
+
+
+def _rng_state() -> Any:
+    return _torch().get_rng_state()
+
+
+def _zeros_for_unused(grads: tuple, xs: Flat, F: Any, lead: tuple = ()) -> Flat:
+    torch = _torch()
+    if all(g is None for g in grads) and any(arrays.size(x) for x in xs):
+        raise _disconnected(getattr(F, "op_name", None))
+    if any(g is None for g in grads):
+        return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) if g is None else g for g, x in zip(grads, xs))
+    return tuple(grads)
+
+
+def _loop(one: Callable[[Flat], Flat], cts: Flat) -> Flat:
+    """``one`` on each entry of a batch, stacked: where a batch cannot (or must not) be vectorised."""
+    torch = _torch()
+    rows = [one(tuple(c[b] for c in cts)) for b in range(arrays.shape(cts[0])[0])]
+    return tuple(torch.stack([row[j] for row in rows]) for j in range(len(rows[0])))
+
+
+def _agrees_with_one(batch: Flat, cts: Flat, one: Callable[[Flat], Flat]) -> bool:
+    """Whether a vectorised pullback is linear in its cotangents as it must be: one unbatched
+    pullback of a weighted sum of the cotangents against the same sum of the batch's rows.
+
+    torch's batching rules are not all right (in torch 2.13 ``_cdist_backward`` under vmap
+    pulls back the first cotangent for every row), and nothing tells which are wrong before
+    they run; this probe costs one more backward pass and catches such a rule.
+    """
+    torch = _torch()
+    size = arrays.shape(cts[0])[0]
+    if size < 2:
+        return True
+    weights = torch.linspace(1.0, 2.0, size, dtype=torch.float64) * torch.tensor([(-1.0) ** b for b in range(size)], dtype=torch.float64)
+
+    def combine(leaf: Any) -> Any:
+        w = weights.to(device=leaf.device, dtype=leaf.dtype).reshape((size,) + (1,) * (leaf.dim() - 1))
+        return (w * leaf).sum(0)
+
+    expected = one(tuple(combine(c) for c in cts))
+    for got, want in zip((combine(b) for b in batch), expected):
+        eps = torch.finfo(want.dtype).eps if want.dtype.is_floating_point else 0.0
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        tolerance = 64 * math.sqrt(eps) * (scale + 1e-30) * 1.0
+        if want.numel() and float((got - want).abs().max()) > tolerance + 1e-30:
+            warnings.warn(
+                "activity (AutoTorch): torch's vectorised pullback disagreed with an unbatched one for this f "
+                "(a batching rule of an operation in f is wrong in this torch version); the batch was computed "
+                "one cotangent at a time instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return False
+    return True
+
+
+def _func_vjp(F: FlatFunction, xs: Flat, backend: AutoTorch) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
+    """`torch.func.vjp` of ``F`` (inside an outer transform), pulling single or batched cotangents
+    (vmapped only with ``vectorize=True``)."""
+    torch = _torch()
+    ys, pull_one, aux = torch.func.vjp(_checked_reverse(F), xs, has_aux=True)
+
+    def one(cts: Flat) -> Flat:
         return pull_one(cts)[0]
 
+    def pull(cts: Flat, batched: bool) -> Flat:
+        if not batched:
+            return one(cts)
+        if backend.vectorize:
+            return torch.func.vmap(one, randomness=backend.randomness)(cts)
+        # One cotangent at a time (the outer transform still vectorises each): torch's batching
+        # rules are not all right, and under a transform no value can be inspected to check them.
+        return _loop(one, cts)
+
     return ys, aux, pull
+
+
+def _checked_reverse(F: FlatFunction) -> FlatFunction:
+    """``F`` raising where its outputs are cut from the graph (under a torch.func grad level)."""
+
+    def checked(xs: Flat) -> tuple[Flat, Any]:
+        ys, aux = F(xs)
+        if ys and not any(y.requires_grad for y in ys) and any(arrays.size(x) for x in xs):
+            raise _disconnected(getattr(F, "op_name", None))
+        return ys, aux
+
+    return checked
+
+
+def _checked_forward(F: FlatFunction) -> FlatFunction:
+    """``F`` raising where no output carries a tangent (inside torch.func.jvp)."""
+    unpack_dual = _torch().autograd.forward_ad.unpack_dual
+
+    def checked(xs: Flat) -> tuple[Flat, Any]:
+        ys, aux = F(xs)
+        if ys and all(unpack_dual(y).tangent is None for y in ys) and any(arrays.size(x) for x in xs):
+            raise _disconnected(getattr(F, "op_name", None))
+        return ys, aux
+
+    return checked
+
+
+def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoTorch) -> tuple[Flat, Any, Flat]:
+    """`torch.func.jvp`, vmapped over a batch of tangents (serialised: forward-AD levels are global)."""
+    torch = _torch()
+    G = _checked_forward(F)
+
+    def one(tangent: Flat) -> tuple:
+        return torch.func.jvp(G, (xs,), (tangent,), has_aux=True)
+
+    with _FORWARD_AD:
+        if not batched:
+            ys, dys, aux = one(ts)
+            return ys, aux, dys
+        if backend.vectorize is False:
+            results = [one(tuple(t[b] for t in ts)) for b in range(arrays.shape(ts[0])[0])]
+            ys, _, aux = results[0]
+            return ys, aux, tuple(torch.stack([r[1][j] for r in results]) for j in range(len(ys)))
+        # out_dims=0 throughout: under an outer vmap the primal outputs are batched too.
+        ys, dys, aux = torch.func.vmap(one, randomness=backend.randomness)(ts)
+    first = lambda tree: torch.utils._pytree.tree_map(lambda leaf: leaf[0], tree)  # noqa: E731
+    return first(ys), first(aux), dys
+
+
+def _tape_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoTorch) -> tuple[Flat, Any, Flat]:
+    """Forward mode from reverse mode on the tape, for functions torch.func cannot run:
+    the Jacobian, one batched pullback of the output basis, applied to the tangents."""
+    from .._operators._common import output_basis  # noqa: PLC0415 - layout helper, no operator logic
+
+    torch = _torch()
+    ys, aux, pull = backend.vjp(F, xs)
+    rows = pull(tuple(backend.as_tangent(b, y.dtype) for b, y in zip(output_basis(ys), ys)), True)
+    n_out = sum(arrays.size(y) for y in ys)
+    matrix = torch.cat([r.reshape(n_out, -1) for r in rows], dim=1)  # (outputs, inputs)
+    tangents = ts if batched else tuple(t[None] for t in ts)
+    flat_t = torch.cat([t.reshape(t.shape[0], -1).to(matrix.dtype) for t in tangents], dim=1)
+    flat_out = flat_t @ matrix.T  # (batch, outputs)
+    dys, start = [], 0
+    for y in ys:
+        n = arrays.size(y)
+        block = flat_out[:, start : start + n].reshape((flat_out.shape[0], *y.shape)).to(y.dtype)
+        dys.append(block if batched else block[0])
+        start += n
+    return ys, aux, tuple(dys)
+
+
+def _forward_over_reverse(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple:
+    grads, (ys, aux), hvps = _func_jvp(backend.gradient_function(F), xs, ts, batched, backend)
+    return ys, grads, aux, hvps
+
+
+def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple:
+    """Reverse over reverse on the tape: one backward pass with ``create_graph``, then one
+    more per tangent (a batch vectorised with ``is_grads_batched``)."""
+    torch = _torch()
+    leaves = tuple(map(_tape_leaf, xs))
+    ys, aux = F(leaves)
+    if not ys[0].requires_grad:
+        raise _disconnected(getattr(F, "op_name", None))
+    grads = _zeros_for_unused(torch.autograd.grad(ys[0], leaves, create_graph=True, allow_unused=True), xs, F)
+    live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative
+
+    def pull(tangent: Flat, lead: tuple) -> Flat:
+        hvps = (None,) * len(xs)
+        if live:
+            hvps = torch.autograd.grad(
+                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=True, allow_unused=True,
+                is_grads_batched=bool(lead),
+            )
+        return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) if h is None else h for h, x in zip(hvps, xs))
+
+    one = lambda tangent: pull(tangent, ())  # noqa: E731
+    if not batched:
+        hvps = one(ts)
+    elif backend.vectorize is False:
+        hvps = _loop(one, ts)
+    else:
+        try:
+            hvps = pull(ts, arrays.shape(ts[0])[:1])
+        except (RuntimeError, NotImplementedError) as error:
+            if backend.vectorize or not _is_transform_limit(error):
+                raise
+            hvps = _loop(one, ts)
+    detached = tuple(g.detach() for g in grads)
+    return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
 
 def _tape_gradient(plan: Any) -> Callable:
@@ -334,19 +521,20 @@ def _tape_gradient(plan: Any) -> Callable:
     torch = _torch()
     problem, f, kinds = plan.problem, plan.f, plan.problem.kinds
     value_wanted = plan.operator.name == "value_and_gradient"
+    op_name = plan.operator.name
 
     def gradient(*values: Any, **seed_kwargs: Any) -> Any:
         split = None if seed_kwargs or len(values) != len(kinds) else problem.split(values, kinds)
-        if split is None or not torch.is_grad_enabled() or _inside_functorch():
+        if split is None or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _inside_functorch():
             raise SignatureChanged
         xs, ctx = split
         leaves = tuple(map(_tape_leaf, xs))
-        out = problem.call(f, problem.rebuild(leaves, ctx))
+        out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
         if isinstance(out, torch.Tensor) and out.dim() == 0 and out.dtype.is_floating_point:
             y, spec = out, None
         else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
             (y,), spec = problem.output_leaves(out, scalar=True)
-        result = problem.like_active(_tape_grads(y, leaves, xs))
+        result = problem.like_active(_tape_grads(y, leaves, xs, op_name))
         if not value_wanted:
             return result
         value = y.detach()
@@ -355,29 +543,33 @@ def _tape_gradient(plan: Any) -> Callable:
     return gradient
 
 
-def _tape_grads(y: Any, leaves: Flat, xs: Flat) -> Flat:
+def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:
     """The gradient of the scalar ``y`` with respect to the tape ``leaves`` made from ``xs``
-    (zeros for a leaf ``y`` does not depend on)."""
-    torch = _torch()
+    (zeros for a leaf ``y`` does not depend on; an error if it depends on none)."""
     if not y.requires_grad:
-        return tuple(torch.zeros_like(x) for x in xs)
-    grads = torch.autograd.grad(y, leaves, allow_unused=True)
+        raise _disconnected(op_name)
+    grads = _torch().autograd.grad(y, leaves, allow_unused=True)
+    if all(g is None for g in grads):
+        raise _disconnected(op_name)
     if any(g is None for g in grads):
-        grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, xs))
+        grads = tuple(_torch().zeros_like(x) if g is None else g for g, x in zip(grads, xs))
     return grads
-
-
-def _tape_leaf(x: Any) -> Any:
-    """A tensor the tape differentiates: a parameter as it is (like a hand-written
-    ``torch.autograd.grad(loss, params)``), anything else as a fresh detached leaf."""
-    if x.requires_grad and x.is_leaf:
-        return x
-    return x.detach().requires_grad_()
 
 
 def _scalar_with_aux(F: FlatFunction) -> Callable:
     def scalar(xs: Flat) -> tuple[Any, tuple]:
-        ys, aux = F(xs)
+        ys, aux = _checked_reverse(F)(xs)
         return ys[0], (ys, aux)
 
     return scalar
+
+
+def float64_copy(module: ModuleDescription, params: list[Any] | None) -> Any:
+    """The module evaluated in float64 on copies (finite differences)."""
+    torch = _torch()
+
+    def convert(t: Any) -> Any:
+        t = t.detach()
+        return t.to(torch.float64, copy=True) if t.dtype.is_floating_point else t.clone()
+
+    return bound_view(module, params, convert)

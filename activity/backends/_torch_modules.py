@@ -1,0 +1,283 @@
+"""Module views: how ``f`` gets a torch module whose parameters are the differentiated tensors.
+
+A *view* is a structural copy of a module: each copied submodule shares the
+original's ``__dict__`` entries (flags, hooks, config) but has its own
+parameter, buffer and submodule slots. So the user's module, its buffers
+(BatchNorm statistics), flags and ``.grad`` never change, and a parameter
+shared by two arguments is differentiated only where it is Active.
+
+The view must behave like the module *as it is called*, so three things in a
+module's ``__dict__`` are redirected to the view: bound methods and
+``functools.partial`` objects that refer to a module of the tree (an instance
+level ``forward``, accelerate's hooks), plain lists, tuples and dicts of its
+submodules, and compilation (``torch.compile(m)``'s wrapper and
+``m.compile()``), which is bypassed: the view runs the module's own eager code,
+the same computation. A function that captures the module in a closure cannot
+be redirected and is refused before ``f`` runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import sys
+import types
+from typing import Any, Callable
+
+import attrs
+
+from .._errors import UnsupportedError
+
+# Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
+_SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
+
+
+def _optimized_module_type() -> type | None:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # torch.compile imports it
+    return None if eval_frame is None else getattr(eval_frame, "OptimizedModule", None)
+
+
+@attrs.frozen(eq=False)
+class ModuleDescription:
+    """What one walk over a module found (see `describe_module`)."""
+
+    module: Any
+    names: list[str]  # trainable parameters, named like named_parameters(), shared ones once
+    params: list[Any]
+    layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
+    has_buffers: bool
+    has_inference: bool = False  # a tensor made under torch.inference_mode (cloned in a view)
+    # For `still_describes`: the parameter, buffer and submodule dicts of every visited
+    # module, with the objects each held (empty ones apart), each tensor's metadata and
+    # the size of each module's __dict__ (a new instance attribute such as `forward`).
+    filled: tuple = ()
+    empty: tuple = ()
+    tensors: tuple = ()
+    dict_sizes: tuple = ()
+    # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
+    redirected: dict = attrs.field(factory=dict)
+
+    def still_describes(self, module: Any) -> bool:
+        """Whether ``module`` is the module described, unchanged: the same objects in every
+        submodule, parameter and buffer slot, each tensor with the same shape, dtype,
+        device and ``requires_grad``, no new instance attribute. Cheaper than a new walk
+        (no names, no layout): it runs on every prepared call."""
+        if module is not self.module or any(self.empty):
+            return False
+        for slots, objects in self.filled:
+            if len(slots) != len(objects) or not all(map(operator.is_, slots.values(), objects)):
+                return False
+        for tensor, shape, dtype, device, requires_grad in self.tensors:
+            if (
+                tensor.requires_grad is not requires_grad
+                or tensor.dtype is not dtype
+                or tensor.shape != shape
+                or tensor.device != device
+            ):
+                return False
+        return all(len(state) == size for state, size in self.dict_sizes)
+
+
+def describe_module(module: Any) -> ModuleDescription:
+    """Walk ``module`` once: its trainable parameters and the layout a prepared operator checks."""
+    names: list[str] = []
+    params: list[Any] = []
+    layout: list[Any] = []
+    slot_dicts: list[dict] = []
+    tensors: list[tuple] = []
+    modules: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(m: Any, prefix: str) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        modules.append(m)
+        layout.append(type(m))
+        slot_dicts.extend((m._parameters, m._buffers, m._modules))
+        for key, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
+            tensors.append((p, p.shape, p.dtype, p.device, p.requires_grad))
+            if p.requires_grad:
+                names.append(prefix + key)
+                params.append(p)
+        for key, b in m._buffers.items():
+            if b is not None:
+                layout.append((prefix + key, b.shape, b.dtype, b.device))
+                tensors.append((b, b.shape, b.dtype, b.device, b.requires_grad))
+        for key, child in m._modules.items():
+            if child is not None:
+                visit(child, prefix + key + ".")
+
+    visit(module, "")
+    has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
+    filled = tuple((slots, tuple(slots.values())) for slots in slot_dicts if slots)
+    empty = tuple(slots for slots in slot_dicts if not slots)
+    names_of = _module_names(module)
+    redirected = {}
+    optimized = _optimized_module_type()
+    for m in modules:
+        if optimized is not None and isinstance(m, optimized):
+            continue  # a view replaces it by its `_orig_mod` (see `bound_view`)
+        keys = _redirected_keys(m, seen, names_of)
+        if keys:
+            redirected[id(m)] = keys
+    return ModuleDescription(
+        module,
+        names,
+        params,
+        tuple(layout),
+        has_buffers,
+        any(entry[0].is_inference() for entry in tensors),
+        filled,
+        empty,
+        tuple(tensors),
+        tuple((m.__dict__, len(m.__dict__)) for m in modules),
+        redirected,
+    )
+
+
+def _module_names(module: Any) -> dict[int, str]:
+    return {id(m): name or "the module" for name, m in module.named_modules(remove_duplicate=True)}
+
+
+def _redirected_keys(m: Any, tree: set[int], names_of: dict[int, str]) -> tuple[str, ...]:
+    """The keys of ``m.__dict__`` whose values refer to a module of the tree (checked here, once)."""
+    torch_nn = sys.modules["torch"].nn
+    keys = []
+    for key, value in m.__dict__.items():
+        if key in _SLOTS or "hook" in key or isinstance(value, (bool, int, float, str, type(None), torch_nn.Parameter)):
+            continue  # hooks are called with the view itself
+        if key == "_compiled_call_impl" and value is not None:
+            keys.append(key)
+        elif _refers_to_tree(value, tree, f"{names_of.get(id(m), type(m).__name__)}.{key}", depth=0):
+            keys.append(key)
+    return tuple(keys)
+
+
+def _refers_to_tree(value: Any, tree: set[int], where: str, depth: int) -> bool:
+    """Whether ``value`` refers to a module of the tree in a way a view can redirect; raises
+    for a function whose closure holds one (it would run the user's module, not the view)."""
+    if depth > 3:
+        return False
+    module_type = sys.modules["torch"].nn.Module
+    if isinstance(value, module_type):
+        return id(value) in tree
+    if isinstance(value, types.MethodType):
+        return id(value.__self__) in tree or _refers_to_tree(value.__func__, tree, where, depth + 1)
+    if isinstance(value, functools.partial):
+        parts = (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values())
+        return any([_refers_to_tree(part, tree, where, depth + 1) for part in parts])
+    if isinstance(value, (list, tuple)):
+        return any([_refers_to_tree(item, tree, where, depth + 1) for item in value])
+    if isinstance(value, dict):
+        return any([_refers_to_tree(item, tree, where, depth + 1) for item in value.values()])
+    if isinstance(value, types.FunctionType) and value.__closure__:
+        for cell in value.__closure__:
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if _refers_to_tree(content, tree, where, depth + 1):
+                raise UnsupportedError(
+                    f"activity: {where} is a function that captures a module of the argument in its "
+                    f"closure. activity runs a view of the module (its own parameters and buffer copies), "
+                    f"and a closure would run the original instead. Define it as a method or "
+                    f"functools.partial(function, module), or remove it before differentiating."
+                )
+    return False
+
+
+def _redirect(value: Any, views: dict[int, Any]) -> Any:
+    """``value`` with every module of the tree replaced by its view (see `_refers_to_tree`)."""
+    module_type = sys.modules["torch"].nn.Module
+    if isinstance(value, module_type):
+        return views.get(id(value), value)
+    if isinstance(value, types.MethodType):
+        return types.MethodType(_redirect(value.__func__, views), _redirect(value.__self__, views))
+    if isinstance(value, functools.partial):
+        new = functools.partial(
+            _redirect(value.func, views),
+            *[_redirect(a, views) for a in value.args],
+            **{k: _redirect(v, views) for k, v in value.keywords.items()},
+        )
+        for key, attribute in getattr(value, "__dict__", {}).items():  # __wrapped__ etc. (update_wrapper)
+            setattr(new, key, _redirect(attribute, views))
+        return new
+    if isinstance(value, (list, tuple)):
+        items = [_redirect(item, views) for item in value]
+        return type(value)(items) if type(value) in (list, tuple) else value
+    if type(value) is dict:
+        return {k: _redirect(v, views) for k, v in value.items()}
+    return value
+
+
+def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
+    """A view of the described module whose trainable parameters are ``params``.
+
+    ``params`` follow `describe_module`'s order (None: a Constant module, no
+    parameter replaced). Every other parameter and buffer is ``convert``-ed (a
+    clone for AD, a float64 copy for finite differences). Shared submodules and
+    tied parameters stay shared in the view; the original is never written.
+    A submodule in which nothing is replaced is used as it is, without a copy.
+    """
+    replacements = iter(params or ())
+    replaced: dict[int, Any] = {}
+    views: dict[int, Any] = {}
+    redirected = module.redirected
+    optimized = _optimized_module_type()
+    to_redirect: list[tuple[Any, Any]] = []
+
+    def tensor_for(t: Any, trainable: bool) -> Any:
+        if t is None:
+            return None
+        new = replaced.get(id(t))
+        if new is None:
+            new = next(replacements) if trainable else convert(t)
+            replaced[id(t)] = new
+        return new
+
+    def view(m: Any) -> Any:
+        existing = views.get(id(m))
+        if existing is not None:
+            return existing
+        if optimized is not None and isinstance(m, optimized):
+            # torch.compile(m) wraps m: differentiate its eager code (the same computation) through a view.
+            views[id(m)] = inner = view(m._orig_mod)
+            return inner
+        parameters = {
+            k: tensor_for(p, params is not None and p is not None and p.requires_grad) for k, p in m._parameters.items()
+        }
+        buffers = {k: tensor_for(b, False) for k, b in m._buffers.items()}
+        modules = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
+        unchanged = (
+            id(m) not in redirected
+            and all(new is old for new, old in zip(parameters.values(), m._parameters.values()))
+            and all(new is old for new, old in zip(buffers.values(), m._buffers.values()))
+            and all(new is old for new, old in zip(modules.values(), m._modules.values()))
+        )
+        if unchanged:
+            views[id(m)] = m
+            return m
+        new = object.__new__(type(m))
+        state = m.__dict__.copy()
+        state.update(_parameters=parameters, _buffers=buffers, _modules=modules)
+        if "_flat_weights_names" in state:  # RNNs cache their weights in a list
+            state["_flat_weights"] = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
+        object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
+        views[id(m)] = new
+        if id(m) in redirected:
+            to_redirect.append((m, state))
+        return new
+
+    root = view(module.module)
+    for m, state in to_redirect:  # after every view exists: a method may refer to a parent
+        for key in redirected[id(m)]:
+            state[key] = None if key == "_compiled_call_impl" else _redirect(m.__dict__[key], views)
+    return root
+
+
+__all__ = ["ModuleDescription", "describe_module", "bound_view"]

@@ -1,0 +1,691 @@
+"""AutoTorch on what users really bring: regressions for the "PyTorch in the wild" issue.
+
+Every expected value is independent of the library: a hand-written
+``torch.autograd.grad`` / double backward, ``torch.autograd.functional``,
+``torch.func`` or an analytic formula.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import activity as ad
+from activity import Active, Constant, SecondOrder, UnsupportedError
+from activity.backends import _torch as torch_backend
+
+ALL_CLOSE = dict(rtol=1e-5, atol=1e-6)
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=generator(seed), dtype=dtype)
+
+
+def init(model: nn.Module, seed: int = 0) -> nn.Module:
+    g = generator(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.4 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def named_trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def snapshot(model):
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "grads": [p.grad for p in model.parameters()],
+        "flags": [(p.requires_grad, m.training) for m in model.modules() for p in m.parameters(recurse=False)],
+    }
+
+
+def assert_unchanged(model, before):
+    after = snapshot(model)
+    for key, value in before["state"].items():
+        assert torch.equal(value, after["state"][key]), f"{key} changed"
+    assert all(g is None for g in after["grads"]), ".grad was set"
+    assert before["flags"] == after["flags"]
+
+
+def hand_gradient(loss, model, *args):
+    names, params = zip(*named_trainable(model))
+    grads = torch.autograd.grad(loss(model, *args), params)
+    return dict(zip(names, grads))
+
+
+def hand_hvp(loss, model, tangent, *args):
+    names, params = zip(*named_trainable(model))
+    grads = torch.autograd.grad(loss(model, *args), params, create_graph=True)
+    hvps = torch.autograd.grad(grads, params, [tangent[n] for n in names])
+    return dict(zip(names, hvps))
+
+
+def assert_dict_close(actual, expected, **tolerances):
+    assert list(actual) == list(expected)
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], **(tolerances or ALL_CLOSE), msg=key)
+
+
+def mlp(seed=0):
+    return init(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), seed)
+
+
+def squared(m, x):
+    return m(x).pow(2).sum()
+
+
+# ---------------------------------------------------------------- 7: only the Active occurrence
+
+
+def test_a_parameter_also_passed_as_constant_is_differentiated_once():
+    P = nn.Parameter(randn(3))
+    g = ad.gradient(lambda a, c: (a * c).sum(), Active(P), Constant(P))
+    torch.testing.assert_close(g, P.detach())  # d/da sum(a * c) = c, not 2P
+    prepared = ad.prepare(ad.gradient, lambda a, c: (a * c).sum(), Active(P), Constant(P))
+    torch.testing.assert_close(prepared(P, P), P.detach())
+
+
+def test_the_same_parameter_twice_in_an_active_tree_gets_each_partial():
+    P = nn.Parameter(randn(3))
+    g = ad.gradient(lambda d: (d["a"] * d["b"] ** 2).sum(), Active({"a": P, "b": P}))
+    torch.testing.assert_close(g["a"], P.detach() ** 2)
+    torch.testing.assert_close(g["b"], 2 * P.detach() ** 2)
+
+
+def test_a_parameter_captured_by_f_is_a_constant():
+    P = nn.Parameter(randn(3))
+    for op in (ad.gradient, functools.partial(ad.pullback, cotangent=torch.tensor(1.0))):
+        torch.testing.assert_close(op(lambda a: (a * P).sum(), Active(P)), P.detach())
+    jac = ad.jacobian(lambda a: a * P, Active(P))
+    torch.testing.assert_close(jac, torch.diag(P.detach()))
+
+
+def test_an_embedding_tied_between_an_active_decoder_and_a_constant_encoder():
+    shared = nn.Embedding(6, 4)
+    encoder = nn.Sequential(shared, nn.Linear(4, 4))
+    decoder = nn.Sequential(shared, nn.Linear(4, 3))
+    init(encoder, 1), init(decoder[1], 2)
+    ids = torch.tensor([0, 2, 5])
+
+    def loss(dec, enc, ids):
+        return (dec(ids).sum(1, keepdim=True) * enc(ids)).pow(2).sum()
+
+    # Hand-written: the encoder's use of the shared table is data, so it is detached there.
+    table = shared.weight.detach().requires_grad_()
+    head = decoder[1].weight.detach().requires_grad_(), decoder[1].bias.detach().requires_grad_()
+    dec_out = torch.nn.functional.linear(table[ids], *head)
+    enc_out = encoder(ids).detach()
+    expected = torch.autograd.grad((dec_out.sum(1, keepdim=True) * enc_out).pow(2).sum(), (table, *head))
+    before = snapshot(encoder)
+    for backend in (ad.AutoTorch(), None):
+        g = ad.gradient(loss, Active(decoder), Constant(encoder), Constant(ids), backend=backend)
+        assert list(g) == ["0.weight", "1.weight", "1.bias"]
+        for got, want in zip(g.values(), expected):
+            torch.testing.assert_close(got, want)
+    prepared = ad.prepare(ad.gradient, loss, Active(decoder), Constant(encoder), Constant(ids))
+    for got, want in zip(prepared(decoder, encoder, ids).values(), expected):
+        torch.testing.assert_close(got, want)
+    assert_unchanged(encoder, before)
+
+
+# ---------------------------------------------------------------- 8: compiled and rebound modules
+
+
+def bn_model(seed=0):
+    return init(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)), seed)
+
+
+def compiled_variants(make):
+    eager = make()
+    wrapped = torch.compile(make(), backend="eager")
+    in_place = make()
+    in_place.compile(backend="eager")
+    rebound = make()
+    rebound.forward = functools.partial(type(rebound).forward, rebound)  # an instance-level forward
+    hooked = make()  # what accelerate's hooks do: a partial over a wrapper, the old forward kept
+    hooked._old_forward = hooked.forward
+
+    def new_forward(module, *args):
+        return module._old_forward(*args)
+
+    hooked.forward = functools.update_wrapper(functools.partial(new_forward, hooked), hooked._old_forward)
+    return eager, {"torch.compile": wrapped, "m.compile": in_place, "rebound forward": rebound, "accelerate hook": hooked}
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_compiled_and_rebound_modules_are_differentiated_as_called(train):
+    x = randn(5, 3, seed=3)
+    eager, variants = compiled_variants(lambda: bn_model().train(train))
+    names = [n for n, _ in named_trainable(eager)]
+    tangent = {n: randn(*p.shape, seed=i) for i, (n, p) in enumerate(named_trainable(eager))}
+    want_grad = hand_gradient(squared, eager, x)
+    want_hvp = hand_hvp(squared, eager, tangent, x)
+    buffers = lambda: {n: b.clone() for n, b in eager.named_buffers()}  # noqa: E731  # made inside: BatchNorm updates them
+    want_jvp = torch.func.jvp(
+        lambda *ps: torch.func.functional_call(eager, {**dict(zip(names, ps)), **buffers()}, (x,)),
+        tuple(p.detach() for _, p in named_trainable(eager)),
+        tuple(tangent[n] for n in names),
+    )[1]
+    for label, model in variants.items():
+        prefix = "_orig_mod." if label == "torch.compile" else ""
+        before = snapshot(model)
+        keyed = lambda d: {prefix + k: v for k, v in d.items()}  # noqa: E731
+        assert_dict_close(ad.gradient(squared, Active(model), Constant(x)), keyed(want_grad))
+        assert_dict_close(ad.hvp(squared, Active(model), Constant(x), tangent=keyed(tangent)), keyed(want_hvp), rtol=1e-4, atol=1e-5)
+        got_jvp = ad.pushforward(lambda m, x: m(x), Active(model), Constant(x), tangent=keyed(tangent))
+        torch.testing.assert_close(got_jvp, want_jvp, rtol=1e-4, atol=1e-5)
+        assert got_jvp.abs().max() > 0
+        assert_unchanged(model, before)  # BatchNorm statistics of the user's model included
+
+
+def test_a_forward_closing_over_the_module_is_refused_before_f_runs():
+    model = mlp()
+    original = model.forward
+    model.forward = lambda x: original(x) * 2  # captures the module through `original`
+    with pytest.raises(UnsupportedError, match="closure"):
+        ad.gradient(squared, Active(model), Constant(randn(2, 3)))
+
+
+# ---------------------------------------------------------------- 9: outer grad modes
+
+
+OPERATORS = {
+    "gradient": lambda f, *a: ad.gradient(f, *a),
+    "value_and_gradient": lambda f, *a: ad.value_and_gradient(f, *a)[1],
+    "pullback": lambda f, *a: ad.pullback(f, *a, cotangent=torch.tensor(1.0)),
+    "jacobian": lambda f, *a: ad.jacobian(f, *a),
+    "pushforward": lambda f, *a: ad.pushforward(f, *a, tangent=torch.ones(3)),
+    "hvp": lambda f, *a: ad.hvp(f, *a, tangent=torch.ones(3)),
+    "hessian": lambda f, *a: ad.hessian(f, *a),
+}
+
+
+def cubic(x, c):
+    return (c * x**3).sum()
+
+
+def cubic_expected(name, x, c):
+    """Analytic derivatives of sum(c * x**3)."""
+    gradient = 3 * c * x**2
+    return {
+        "gradient": gradient,
+        "value_and_gradient": gradient,
+        "pullback": gradient,
+        "jacobian": gradient,
+        "pushforward": gradient.sum(),
+        "hvp": 6 * c * x,
+        "hessian": torch.diag(6 * c * x),
+    }[name]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("made_inside", [False, True])
+@pytest.mark.parametrize("name", sorted(OPERATORS))
+def test_every_operator_is_right_under_an_outer_grad_mode(mode, made_inside, name):
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    make = lambda: (torch.tensor([1.0, -2.0, 0.5]), torch.tensor([2.0, 1.0, 3.0]))  # noqa: E731
+    if not made_inside:
+        x, c = make()
+    with context():
+        if made_inside:
+            x, c = make()
+        result = OPERATORS[name](cubic, Active(x), Constant(c))
+        assert torch.is_grad_enabled() is False  # the mode is the user's again after the call
+    torch.testing.assert_close(result.clone(), cubic_expected(name, x.clone(), c.clone()))
+
+
+def test_a_module_made_in_inference_mode_is_differentiated():
+    with torch.inference_mode():
+        model = mlp()
+        x = randn(2, 3)
+        g = ad.gradient(squared, Active(model), Constant(x))
+    twin = mlp()  # the same values, made normally
+    assert_dict_close(g, hand_gradient(squared, twin, x.clone()))
+    assert not any(v.is_inference() for v in g.values())
+
+
+# ---------------------------------------------------------------- 10: output cut from the graph
+
+
+def cut(kind):
+    def f(x):
+        y = (x**2).sum()
+        if kind == "item":
+            return torch.tensor(y.item())
+        if kind == "detach":
+            return y.detach()
+        if kind == "numpy":
+            return torch.from_numpy(np.asarray(y.detach().numpy()))
+        if kind == "no_grad":
+            with torch.no_grad():
+                return (x**2).sum()
+        if kind == "requires_grad_false":
+            return (x.detach().requires_grad_(False) ** 2).sum()
+        raise AssertionError(kind)
+
+    return f
+
+
+CUT_OPERATORS = {
+    "gradient": lambda f, x: ad.gradient(f, Active(x)),
+    "value_and_gradient": lambda f, x: ad.value_and_gradient(f, Active(x))[1],
+    "pullback": lambda f, x: ad.pullback(f, Active(x), cotangent=torch.tensor(1.0)),
+    "jacobian": lambda f, x: ad.jacobian(f, Active(x)),
+    "hessian": lambda f, x: ad.hessian(f, Active(x)),
+    "hvp": lambda f, x: ad.hvp(f, Active(x), tangent=torch.ones(2)),
+    "pushforward": lambda f, x: ad.pushforward(f, Active(x), tangent=torch.ones(2)),
+    "prepared gradient": lambda f, x: ad.prepare(ad.gradient, f, Active(x))(x),
+}
+
+
+@pytest.mark.parametrize("kind", ["item", "detach", "numpy", "no_grad", "requires_grad_false"])
+@pytest.mark.parametrize("name", sorted(CUT_OPERATORS))
+def test_an_output_cut_from_the_graph_raises_or_is_right_never_zeros(kind, name):
+    x = torch.tensor([1.0, 2.0])
+    true = {"gradient": 2 * x, "value_and_gradient": 2 * x, "pullback": 2 * x, "prepared gradient": 2 * x,
+            "jacobian": 2 * x, "hessian": 2 * torch.eye(2), "hvp": 2 * torch.ones(2), "pushforward": (2 * x).sum()}[name]
+    try:
+        result = CUT_OPERATORS[name](cut(kind), x)
+    except ValueError as error:
+        assert "does not depend on the Active argument" in str(error) and ".detach()" in str(error)
+        return
+    except RuntimeError as error:  # torch's own refusal (e.g. .numpy() on a tensor in a transform)
+        assert "numpy" in str(error).lower() or "item" in str(error).lower(), error
+        return
+    # Forward mode is not cut by torch.no_grad() (forward AD ignores it): then the answer is right.
+    torch.testing.assert_close(result, true)
+
+
+def test_a_function_with_a_partly_unused_input_still_gets_zeros_there():
+    g = ad.gradient(lambda a, b: (a**2).sum() + 0 * b.sum().detach(), Active(torch.ones(2)), Active(torch.ones(3)))
+    torch.testing.assert_close(g[0], 2 * torch.ones(2))
+    torch.testing.assert_close(g[1], torch.zeros(3))
+
+
+# ---------------------------------------------------------------- 11: plain results
+
+
+def test_results_are_plain_values_off_the_graph():
+    model = mlp()
+    x = randn(2, 3)
+    tangent = {n: torch.ones_like(p) for n, p in named_trainable(model)}
+    P = nn.Parameter(torch.tensor(0.7))
+    results = {
+        "jacobian": ad.jacobian(lambda m, x: m(x), Active(model), Constant(x)),
+        "pushforward": ad.pushforward(lambda m, x: m(x), Active(model), Constant(x), tangent=tangent),
+        "hvp": ad.hvp(squared, Active(model), Constant(x), tangent=tangent),
+        "hessian": ad.hessian(lambda p: (p * torch.arange(3.0)).pow(3).sum(), Active(nn.Parameter(torch.ones(3)))),
+        "gradient_and_hvp": ad.gradient_and_hvp(squared, Active(model), Constant(x), tangent=tangent),
+        "derivative": ad.derivative(lambda p, m, x: m(p * x), Active(P), Constant(model), Constant(x)),
+        "second_derivative": ad.second_derivative(lambda p, m, x: m(p * x), Active(P), Constant(model), Constant(x)),
+        "aux": ad.gradient(lambda m, x: (squared(m, x), m(x)), Active(model), Constant(x), has_aux=True)[1],
+        "value_and_jacobian": ad.value_and_jacobian(lambda m, x: m(x), Active(model), Constant(x)),
+    }
+    for name, result in results.items():
+        for leaf in torch.utils._pytree.tree_leaves(result):
+            assert not leaf.requires_grad and leaf.grad_fn is None, name
+            leaf.numpy()  # plain values convert
+
+
+# ---------------------------------------------------------------- 12: one evaluation
+
+
+class Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = init(nn.Linear(4, 3))
+        self.dropout = nn.Dropout(0.5)
+        self.calls = 0
+
+    def forward(self, x):
+        type(self).calls += 1
+        return self.linear(self.dropout(x))
+
+
+def test_value_and_jacobian_come_from_one_evaluation_with_one_dropout_mask():
+    model = Counted().train()
+    x = torch.ones(4)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for _ in range(20):
+            Counted.calls = 0
+            value, jac = ad.value_and_jacobian(lambda m, x: m(x), Constant(model), Active(x))
+            assert Counted.calls == 1
+            kept = jac.abs().sum(0) > 0  # inputs the mask kept
+            expected = model.linear(x * kept * 2.0)  # dropout(p=0.5) scales kept entries by 2
+            torch.testing.assert_close(value, expected)
+            torch.testing.assert_close(jac, model.linear.weight.detach() * kept * 2.0)
+
+
+@pytest.mark.parametrize(
+    "name, call, evaluations",
+    [
+        ("gradient", lambda f, x: ad.gradient(f, Active(x)), 1),
+        ("pullback", lambda f, x: ad.pullback(f, Active(x), cotangent=torch.tensor(1.0)), 1),
+        ("pullback batch", lambda f, x: ad.pullback(f, Active(x), cotangents=[torch.tensor(1.0)] * 3), 1),
+        ("jacobian", lambda f, x: ad.jacobian(f, Active(x)), 1),
+        ("pushforward", lambda f, x: ad.pushforward(f, Active(x), tangent=torch.ones(3)), 1),
+        ("hvp", lambda f, x: ad.hvp(f, Active(x), tangent=torch.ones(3)), 1),
+        ("hessian", lambda f, x: ad.hessian(f, Active(x)), 1),
+    ],
+)
+def test_operators_evaluate_f_once(name, call, evaluations):
+    count = []
+
+    def f(x):
+        count.append(1)
+        return (x**3).sum()
+
+    call(f, torch.tensor([1.0, 2.0, 3.0]))
+    assert len(count) == evaluations, name
+
+
+# ---------------------------------------------------------------- 15: random layers, hooks
+
+
+def dropout_model():
+    return init(nn.Sequential(nn.Linear(3, 6), nn.Dropout(0.3), nn.Tanh(), nn.Linear(6, 1))).train()
+
+
+RNG_OPERATORS = {
+    "gradient": lambda m, x: ad.gradient(squared, Active(m), Constant(x)),
+    "value_and_gradient": lambda m, x: ad.value_and_gradient(squared, Active(m), Constant(x)),
+    "pullback": lambda m, x: ad.pullback(lambda m, x: m(x), Active(m), Constant(x), cotangent=torch.ones(2, 1)),
+    "jacobian": lambda m, x: ad.jacobian(lambda m, x: m(x), Constant(m), Active(x)),
+    "pushforward": lambda m, x: ad.pushforward(lambda m, x: m(x), Constant(m), Active(x), tangent=torch.ones(2, 3)),
+    "hvp": lambda m, x: ad.hvp(squared, Constant(m), Active(x), tangent=torch.ones(2, 3)),
+    "hessian": lambda m, x: ad.hessian(squared, Constant(m), Active(x)),
+    "prepared gradient": lambda m, x: ad.prepare(ad.gradient, squared, Active(m), Constant(x))(m, x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RNG_OPERATORS))
+def test_dropout_advances_the_global_rng_exactly_as_one_eager_forward(name):
+    model, x = dropout_model(), randn(2, 3)
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        if name == "prepared gradient":
+            torch.manual_seed(5)  # preparation may evaluate f; the prepared call is what is checked
+        start = torch.get_rng_state()
+        model(x)
+        after_eager = torch.get_rng_state()
+        torch.set_rng_state(start)
+        if name == "prepared gradient":
+            prepared = ad.prepare(ad.gradient, squared, Active(model), Constant(x))
+            torch.set_rng_state(start)
+            prepared(model, x)
+        else:
+            RNG_OPERATORS[name](model, x)
+        assert torch.equal(torch.get_rng_state(), after_eager)
+
+
+def test_dropout_gradient_uses_the_mask_an_eager_forward_draws():
+    model, x = dropout_model(), randn(2, 3)
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        got = ad.gradient(squared, Active(model), Constant(x))
+        torch.manual_seed(11)
+        want = hand_gradient(squared, model, x)
+    assert_dict_close(got, want)
+
+
+def test_forward_hooks_see_views_so_hooks_key_by_name():
+    """The documented rule: hooks run on the view f sees, so a hook that records something
+    keys it by the submodule's name (bound when the hook is registered), not by identity."""
+    model = mlp()
+    seen: dict[str, tuple] = {}
+    handles = [
+        sub.register_forward_hook(functools.partial(lambda name, module, args, out: seen.__setitem__(name, out.shape), name))
+        for name, sub in model.named_modules()
+        if isinstance(sub, nn.Linear)
+    ]
+    try:
+        ad.gradient(squared, Active(model), Constant(randn(5, 3)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == {"0": torch.Size([5, 4]), "2": torch.Size([5, 2])}
+
+
+# ---------------------------------------------------------------- 3: nested under torch.func.vmap
+
+
+def test_per_example_hessians_and_forward_operators_under_vmap():
+    xs = randn(4, 3, seed=1)
+    f = lambda v: (v**3).sum() + v.prod()  # noqa: E731
+    torch.testing.assert_close(
+        torch.func.vmap(lambda x: ad.hessian(f, Active(x)))(xs), torch.func.vmap(torch.func.hessian(f))(xs)
+    )
+    s = xs[:, 0]
+    torch.testing.assert_close(torch.func.vmap(lambda x: ad.derivative(torch.sin, Active(x)))(s), torch.cos(s))
+    torch.testing.assert_close(torch.func.vmap(lambda x: ad.second_derivative(torch.sin, Active(x)))(s), -torch.sin(s))
+    g = lambda v: torch.stack([v.sum(), (v**2).sum(), v.prod(), v[0] * v[1]])  # noqa: E731  # 4 outputs > 3 inputs
+    torch.testing.assert_close(
+        torch.func.vmap(lambda x: ad.jacobian(g, Active(x)))(xs), torch.func.vmap(torch.func.jacfwd(g))(xs)
+    )
+    ts = [torch.ones(3), torch.arange(3.0)]
+    got = torch.func.vmap(lambda x: torch.stack(ad.pushforward(g, Active(x), tangents=ts)))(xs)
+    want = torch.stack([torch.func.vmap(lambda x: torch.func.jvp(g, (x,), (t,))[1])(xs) for t in ts], 1)
+    torch.testing.assert_close(got, want)
+    got = torch.func.vmap(lambda x: torch.stack(ad.hvp(f, Active(x), tangents=ts)))(xs)
+    want = torch.stack([torch.func.vmap(lambda x: torch.func.jvp(torch.func.grad(f), (x,), (t,))[1])(xs) for t in ts], 1)
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------- 5 and 13: where vmap cannot (or is wrong)
+
+
+def tape_jacobian(f, x):
+    return torch.autograd.functional.jacobian(f, x)
+
+
+def test_cdist_jacobian_and_batched_pullback_match_the_tape():
+    x, y = randn(3, 4, seed=1, dtype=torch.float64), randn(5, 4, seed=2, dtype=torch.float64)
+    f = lambda x, y: torch.cdist(x, y)  # noqa: E731
+    torch.testing.assert_close(ad.jacobian(f, Active(x), Constant(y)), tape_jacobian(lambda x: f(x, y), x))
+    small_x, small_y = randn(2, 6, seed=3, dtype=torch.float64), randn(1, 6, seed=4, dtype=torch.float64)
+    torch.testing.assert_close(  # fewer outputs than inputs: reverse mode
+        ad.jacobian(f, Active(small_x), Constant(small_y)), tape_jacobian(lambda x: f(x, small_y), small_x)
+    )
+    cts = [randn(3, 5, seed=5, dtype=torch.float64), randn(3, 5, seed=6, dtype=torch.float64)]
+    got = ad.pullback(f, Active(x), Constant(y), cotangents=cts)
+    leaf = x.clone().requires_grad_()
+    out = f(leaf, y)
+    for g, ct in zip(got, cts):
+        torch.testing.assert_close(g, torch.autograd.grad(out, leaf, ct, retain_graph=True)[0])
+
+
+def test_cdist_jacobians_under_an_outer_vmap_are_right():
+    # Inside torch.func the tape is unavailable and torch's batching rule for _cdist_backward
+    # is wrong; the linearity probe must catch it.
+    xs, y = randn(3, 2, 6, seed=7, dtype=torch.float64), randn(1, 6, seed=8, dtype=torch.float64)
+    if True:
+        got = torch.func.vmap(lambda x: ad.jacobian(lambda x, y: torch.cdist(x, y), Active(x), Constant(y)))(xs)
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g, tape_jacobian(lambda x: torch.cdist(x, y), x))
+
+
+def test_the_linearity_probe_accepts_a_right_batch_and_rejects_a_wrong_one():
+    W = randn(3, 4, seed=9, dtype=torch.float64)
+    one = lambda cts: (cts[0] @ W,)  # noqa: E731  # the pullback of x -> W x
+    cts = (randn(5, 3, seed=10, dtype=torch.float64),)
+    right = (cts[0] @ W,)
+    assert torch_backend._agrees_with_one(right, cts, one)
+    wrong = (right[0].clone(),)
+    wrong[0][1:] = right[0][0]  # every row the first one's, as the broken cdist rule gives
+    with pytest.warns(RuntimeWarning):
+        assert not torch_backend._agrees_with_one(wrong, cts, one)
+    slightly = (right[0] * (1 + 1e-3),)
+    with pytest.warns(RuntimeWarning):
+        assert not torch_backend._agrees_with_one(slightly, cts, one)
+
+
+class OldStyleSquare(torch.autograd.Function):
+    """A custom Function without setup_context: torch.func cannot run it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def tensor_split(x):
+    return torch.stack([part.sum() for part in torch.tensor_split(x, torch.tensor([1, 3]))] + [x[0] * x[-1]] * 3)
+
+
+def as_strided_scatter(x):
+    base = torch.zeros(8, dtype=x.dtype)
+    return torch.as_strided_scatter(base, x, (x.numel(),), (2,)) * 3 + x.sum()
+
+
+def grid_sample(x):
+    grid = torch.linspace(-0.8, 0.8, 10, dtype=x.dtype).reshape(1, 1, 5, 2)
+    return torch.nn.functional.grid_sample(x.reshape(1, 1, 2, 2), grid, align_corners=False).reshape(-1).repeat(2)
+
+
+def channels_last(x):
+    conv = nn.Conv2d(1, 2, 2).double()
+    init(conv, 3)
+    image = x.reshape(1, 1, 3, 3).contiguous(memory_format=torch.channels_last)
+    return conv(image).reshape(-1).repeat(3)
+
+
+WHERE_VMAP_CANNOT = {
+    "cdist": (lambda x: torch.cdist(x.reshape(2, 2), torch.ones(5, 2, dtype=x.dtype)).reshape(-1), 4),
+    "pdist": (lambda x: torch.pdist(x.reshape(4, 2)).repeat(2), 8),
+    "grid_sampler_2d": (grid_sample, 4),
+    "old-style Function": (lambda x: OldStyleSquare.apply(x).repeat(2), 3),
+    "tensor_split": (tensor_split, 4),
+    "as_strided_scatter": (as_strided_scatter, 3),
+    "channels_last": (channels_last, 9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WHERE_VMAP_CANNOT))
+def test_jacobian_pushforward_and_pullback_fall_back_to_the_tape(name):
+    f, n = WHERE_VMAP_CANNOT[name]
+    x = randn(n, seed=12, dtype=torch.float64)
+    expected = tape_jacobian(f, x)
+    torch.testing.assert_close(ad.jacobian(f, Active(x)), expected)
+    ts = [randn(n, seed=13, dtype=torch.float64), randn(n, seed=14, dtype=torch.float64)]
+    for got, t in zip(ad.pushforward(f, Active(x), tangents=ts), ts):
+        torch.testing.assert_close(got, expected @ t)
+    torch.testing.assert_close(ad.pushforward(f, Active(x), tangent=ts[0]), expected @ ts[0])
+    cts = [randn(expected.shape[0], seed=15, dtype=torch.float64), randn(expected.shape[0], seed=16, dtype=torch.float64)]
+    for got, ct in zip(ad.pullback(f, Active(x), cotangents=cts), cts):
+        torch.testing.assert_close(got, ct @ expected)
+
+
+def test_hessian_falls_back_where_forward_mode_cannot_run():
+    x = randn(4, seed=17, dtype=torch.float64)
+    f = lambda x: OldStyleSquare.apply(x).pow(2).sum() + x.prod()  # noqa: E731
+    torch.testing.assert_close(ad.hessian(f, Active(x)), torch.autograd.functional.hessian(f, x))
+
+
+def test_random_f_jacobian_draws_once_and_matches_the_tape_with_the_same_draw():
+    x = randn(3, seed=18, dtype=torch.float64)
+    f = lambda x: torch.nn.functional.dropout(x.repeat(3), 0.5, training=True) * x.sum()  # noqa: E731
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        got = ad.jacobian(f, Active(x))
+        torch.manual_seed(3)
+        expected = tape_jacobian(f, x)
+    torch.testing.assert_close(got, expected)
+
+
+def test_autotorch_options_choose_the_path():
+    f, n = WHERE_VMAP_CANNOT["cdist"]
+    x = randn(n, seed=19, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="forward AD"):
+        ad.jacobian(f, Active(x), backend=ad.AutoTorch(vectorize=True))
+    torch.testing.assert_close(ad.jacobian(f, Active(x), backend=ad.AutoTorch(vectorize=False)), tape_jacobian(f, x))
+    g = lambda x: torch.nn.functional.dropout(x.repeat(3), 0.5, training=True)  # noqa: E731
+    y = torch.ones(3, dtype=torch.float64)
+    with torch.random.fork_rng():
+        jac = ad.jacobian(g, Active(y), backend=ad.AutoTorch(randomness="same"))
+    assert set(jac.unique().tolist()) <= {0.0, 2.0}
+    for bad in (dict(hvp_mode="sideways"), dict(vectorize="yes"), dict(randomness="often")):
+        with pytest.raises(ValueError, match="choose one of"):
+            ad.AutoTorch(**bad)
+    assert repr(ad.AutoTorch()) == "AutoTorch()" and "hvp_mode='reverse-over-reverse'" in repr(
+        ad.AutoTorch(hvp_mode="reverse-over-reverse")
+    )
+
+
+# ---------------------------------------------------------------- 6: hvp modes
+
+
+def norm_models():
+    weight = nn.utils.weight_norm(init(nn.Linear(3, 3), 20))
+    spectral = nn.utils.spectral_norm(init(nn.Linear(3, 3), 21)).eval()
+    new_style = nn.utils.parametrizations.weight_norm(init(nn.Linear(3, 3), 22))
+    return {"weight_norm": weight, "spectral_norm": spectral, "parametrizations.weight_norm": new_style}
+
+
+@pytest.mark.parametrize("mode", ["auto", "reverse-over-reverse", "forward-over-reverse"])
+@pytest.mark.parametrize("name", sorted(norm_models()))
+def test_hvp_on_norm_reparametrised_modules(mode, name):
+    model, x = norm_models()[name], randn(4, 3, seed=23)
+    tangent = {n: randn(*p.shape, seed=i) for i, (n, p) in enumerate(named_trainable(model))}
+    want = hand_hvp(squared, model, tangent, x)
+    backend = ad.AutoTorch(hvp_mode=mode)
+    try:
+        got = ad.hvp(squared, Active(model), Constant(x), tangent=tangent, backend=backend)
+    except NotImplementedError as error:  # forward over reverse, forced, where torch has no forward rule
+        assert mode == "forward-over-reverse" and "forward" in str(error).lower()
+        return
+    assert_dict_close(got, want, rtol=1e-4, atol=1e-5)
+    batch = ad.hvp(squared, Active(model), Constant(x), tangents=[tangent, tangent], backend=backend)
+    assert_dict_close(batch[1], want, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- 14: threads
+
+
+def test_every_operator_is_right_from_sixteen_threads():
+    x = torch.tensor([0.5, -1.0, 2.0])
+    f = lambda x: (x**3).sum() + x.prod()  # noqa: E731
+    g = lambda x: torch.stack([x.sum(), (x**2).sum(), x.prod(), x[0] * x[1]])  # noqa: E731
+    t = torch.tensor([1.0, 0.5, -1.0])
+    expected_hvp = torch.autograd.functional.hvp(f, x, t)[1]
+    calls = {
+        "prepared hvp": (ad.prepare(ad.hvp, f, Active(x), tangent=t), lambda p: p(x, tangent=t), expected_hvp),
+        "pushforward": (None, lambda _: ad.pushforward(g, Active(x), tangent=t), torch.func.jvp(g, (x,), (t,))[1]),
+        "hessian": (None, lambda _: ad.hessian(f, Active(x)), torch.func.hessian(f)(x)),
+        "derivative": (None, lambda _: ad.derivative(torch.sin, Active(torch.tensor(0.3))), torch.cos(torch.tensor(0.3))),
+        "jacobian": (None, lambda _: ad.jacobian(g, Active(x)), torch.func.jacfwd(g)(x)),
+        "gradient": (None, lambda _: ad.gradient(f, Active(x)), torch.func.grad(f)(x)),
+    }
+    for name, (state, call, expected) in calls.items():
+        errors, wrong = [], []
+
+        def work():
+            for _ in range(30):
+                try:
+                    if not torch.allclose(call(state), expected, rtol=1e-5, atol=1e-6):
+                        wrong.append(1)
+                except Exception as error:  # noqa: BLE001 - counted and reported
+                    errors.append(repr(error))
+
+        threads = [threading.Thread(target=work) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors and not wrong, (name, len(errors), len(wrong), errors[:2])
