@@ -218,3 +218,39 @@ def test_hessian_and_hvp_through_a_cache(combo, assert_tree_close):
     check = lambda got, want: assert_tree_close(got, want, **tol, framework=framework, dtype=dtype)  # noqa: E731
     check(ad.hessian(f, Active(x), ad.Cache(buf), backend=backend), h)
     check(ad.hvp(f, Active(x), ad.Cache(buf), tangent=t, backend=backend), h @ t64)
+
+
+# ---------------------------------------------------------------- mode: how the outer backend differentiates
+
+
+@pytest.mark.parametrize("outer", ["JAX", "FD"])
+def test_reverse_over_reverse_mode_matches_the_analytic_hessian(outer):
+    backend = ad.SecondOrder(JAX if outer == "JAX" else FD, JAX, mode="reverse-over-reverse")
+    x, c = f32([0.3, -0.7, 1.1]), f32([1.5, 0.5, -2.0])
+    # s(x, c) = sum(sin(c x)) + (x . c)^2 / 2: H = diag(-c^2 sin(c x)) + c c^T
+    expected = np.diag(-(np64(c) ** 2) * np.sin(np64(c) * np64(x))) + np.outer(np64(c), np64(c))
+    tolerance = dict(rtol=1e-5, atol=1e-5) if outer == "JAX" else dict(rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np64(ad.hessian(s, Active(x), Constant(c), backend=backend)), expected, **tolerance)
+    t = f32([1.0, 2.0, -1.0])
+    np.testing.assert_allclose(np64(ad.hvp(s, Active(x), Constant(c), tangent=t, backend=backend)), expected @ np64(t), **tolerance)
+
+
+def test_reverse_over_reverse_mode_on_torch_is_double_backward():
+    import torch
+
+    model = torch.nn.utils.weight_norm(torch.nn.Linear(3, 2))  # no forward-mode rule in torch
+    x = torch.linspace(-1, 1, 12).reshape(4, 3)
+    loss = lambda m, x: m(x).tanh().pow(2).sum()  # noqa: E731
+    names, params = zip(*[(n, p) for n, p in model.named_parameters()])
+    tangent = {n: torch.ones_like(p) for n, p in zip(names, params)}
+    grads = torch.autograd.grad(loss(model, x), params, create_graph=True)
+    expected = torch.autograd.grad(grads, params, [tangent[n] for n in names])
+    backend = ad.SecondOrder(ad.AutoTorch(), ad.AutoTorch(), mode="reverse-over-reverse")
+    got = ad.hvp(loss, Active(model), Constant(x), tangent=tangent, backend=backend)
+    for name, want in zip(names, expected):
+        torch.testing.assert_close(got[name], want)
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="forward-over-reverse"):
+        ad.SecondOrder(JAX, JAX, mode="sideways")

@@ -689,3 +689,21 @@ def test_every_operator_is_right_from_sixteen_threads():
         for thread in threads:
             thread.join()
         assert not errors and not wrong, (name, len(errors), len(wrong), errors[:2])
+
+
+def test_a_wrong_batched_pullback_from_torch_is_caught_and_recomputed(monkeypatch):
+    """Fault injection: a batched backward that repeats its first row, as torch's broken rules do."""
+    real = torch.autograd.grad
+
+    def broken(*args, is_grads_batched=False, **kwargs):
+        grads = real(*args, is_grads_batched=is_grads_batched, **kwargs)
+        if not is_grads_batched:
+            return grads
+        return tuple(None if g is None else g[:1].expand_as(g).clone() for g in grads)
+
+    monkeypatch.setattr(torch.autograd, "grad", broken)
+    x = randn(4, seed=24, dtype=torch.float64)
+    f = lambda x: torch.stack([x.sum(), (x**2).sum()])  # noqa: E731
+    with pytest.warns(RuntimeWarning, match="disagreed"):
+        jac = ad.jacobian(f, Active(x))
+    torch.testing.assert_close(jac, torch.stack([torch.ones(4, dtype=torch.float64), 2 * x]))

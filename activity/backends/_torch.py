@@ -361,11 +361,15 @@ def _agrees_with_one(batch: Flat, cts: Flat, one: Callable[[Flat], Flat]) -> boo
         return (w * leaf).sum(0)
 
     expected = one(tuple(combine(c) for c in cts))
-    for got, want in zip((combine(b) for b in batch), expected):
-        eps = torch.finfo(want.dtype).eps if want.dtype.is_floating_point else 0.0
-        scale = float(want.abs().max()) if want.numel() else 0.0
-        tolerance = 64 * math.sqrt(eps) * (scale + 1e-30) * 1.0
-        if want.numel() and float((got - want).abs().max()) > tolerance + 1e-30:
+    combined = [combine(b) for b in batch]
+    # Rounding is measured against the whole result: a leaf whose exact derivative is zero
+    # (a bias before BatchNorm) still holds rounding noise of the other leaves' size.
+    scale = max((2.0 * float(b.abs().sum(0).max()) for b in batch if b.numel()), default=0.0)  # |weights| <= 2
+    for got, want in zip(combined, expected):
+        if not want.numel() or not want.dtype.is_floating_point:
+            continue
+        tolerance = 64 * math.sqrt(torch.finfo(want.dtype).eps) * scale
+        if float((got - want).abs().max()) > tolerance:
             warnings.warn(
                 "activity (AutoTorch): torch's vectorised pullback disagreed with an unbatched one for this f "
                 "(a batching rule of an operation in f is wrong in this torch version); the batch was computed "

@@ -56,6 +56,7 @@ class ModuleDescription:
     dict_sizes: tuple = ()
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict = attrs.field(factory=dict)
+    plans: dict = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
 
     def still_describes(self, module: Any) -> bool:
         """Whether ``module`` is the module described, unchanged: the same objects in every
@@ -215,6 +216,80 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
     return value
 
 
+@attrs.frozen
+class _Copy:
+    """One submodule a view copies, and where each of its slots comes from."""
+
+    original: Any
+    params: tuple  # (key, source): source -1 for None, else an index into the call's tensors
+    buffers: tuple
+    children: tuple  # (key, step): step -1 for None, else the index of the child's view
+    rnn: bool  # RNNs cache their weights in `_flat_weights`
+
+
+@attrs.frozen
+class _ViewPlan:
+    """How to build a view of a described module: what `bound_view` does on every call,
+    worked out once per description (the walk, the sharing, which submodules stay)."""
+
+    steps: tuple  # children before parents; a step is a _Copy, or a module used as it is
+    sources: tuple  # the tensors a call converts (buffers, parameters not replaced), each once
+    n_params: int  # the replaced parameters come first in the call's tensors
+    root: int
+    redirects: tuple  # (step, keys) to redirect after every view exists
+
+
+def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
+    optimized = _optimized_module_type()
+    steps: list = []
+    index_of: dict[int, int] = {}  # id(module) -> step
+    tensor_index: dict[int, int] = {id(p): i for i, p in enumerate(module.params)} if active else {}
+    sources: list = []
+
+    def slot(t: Any) -> int:
+        if t is None:
+            return -1
+        if id(t) not in tensor_index:
+            tensor_index[id(t)] = len(module.params if active else ()) + len(sources)
+            sources.append(t)
+        return tensor_index[id(t)]
+
+    def visit(m: Any) -> int:
+        if id(m) in index_of:
+            return index_of[id(m)]
+        if optimized is not None and isinstance(m, optimized):
+            index_of[id(m)] = found = visit(m._orig_mod)  # torch.compile(m): its eager code, through a view
+            return found
+        children = tuple((k, -1 if c is None else visit(c)) for k, c in m._modules.items())
+        copied = (
+            id(m) in module.redirected
+            or any(p is not None for p in m._parameters.values())
+            or any(b is not None for b in m._buffers.values())
+            or any(step >= 0 and isinstance(steps[step], _Copy) for _, step in children)
+        )
+        if copied:
+            step = _Copy(
+                m,
+                tuple((k, slot(p)) for k, p in m._parameters.items()),
+                tuple((k, slot(b)) for k, b in m._buffers.items()),
+                children,
+                "_flat_weights_names" in m.__dict__,
+            )
+        else:
+            step = m
+        steps.append(step)
+        index_of[id(m)] = len(steps) - 1
+        return len(steps) - 1
+
+    root = visit(module.module)
+    redirects = tuple(
+        (i, module.redirected[id(step.original)])
+        for i, step in enumerate(steps)
+        if isinstance(step, _Copy) and id(step.original) in module.redirected
+    )
+    return _ViewPlan(tuple(steps), tuple(sources), len(module.params) if active else 0, root, redirects)
+
+
 def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
     """A view of the described module whose trainable parameters are ``params``.
 
@@ -222,62 +297,39 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
     parameter replaced). Every other parameter and buffer is ``convert``-ed (a
     clone for AD, a float64 copy for finite differences). Shared submodules and
     tied parameters stay shared in the view; the original is never written.
-    A submodule in which nothing is replaced is used as it is, without a copy.
+    A submodule with nothing to replace inside it is used as it is.
     """
-    replacements = iter(params or ())
-    replaced: dict[int, Any] = {}
-    views: dict[int, Any] = {}
-    redirected = module.redirected
-    optimized = _optimized_module_type()
-    to_redirect: list[tuple[Any, Any]] = []
-
-    def tensor_for(t: Any, trainable: bool) -> Any:
-        if t is None:
-            return None
-        new = replaced.get(id(t))
-        if new is None:
-            new = next(replacements) if trainable else convert(t)
-            replaced[id(t)] = new
-        return new
-
-    def view(m: Any) -> Any:
-        existing = views.get(id(m))
-        if existing is not None:
-            return existing
-        if optimized is not None and isinstance(m, optimized):
-            # torch.compile(m) wraps m: differentiate its eager code (the same computation) through a view.
-            views[id(m)] = inner = view(m._orig_mod)
-            return inner
-        parameters = {
-            k: tensor_for(p, params is not None and p is not None and p.requires_grad) for k, p in m._parameters.items()
-        }
-        buffers = {k: tensor_for(b, False) for k, b in m._buffers.items()}
-        modules = {k: (None if c is None else view(c)) for k, c in m._modules.items()}
-        unchanged = (
-            id(m) not in redirected
-            and all(new is old for new, old in zip(parameters.values(), m._parameters.values()))
-            and all(new is old for new, old in zip(buffers.values(), m._buffers.values()))
-            and all(new is old for new, old in zip(modules.values(), m._modules.values()))
-        )
-        if unchanged:
-            views[id(m)] = m
-            return m
-        new = object.__new__(type(m))
-        state = m.__dict__.copy()
-        state.update(_parameters=parameters, _buffers=buffers, _modules=modules)
-        if "_flat_weights_names" in state:  # RNNs cache their weights in a list
+    plan = module.plans.get(params is None)
+    if plan is None:
+        plan = module.plans[params is None] = _plan(module, params is not None)
+    tensors = [*(params or ()), *map(convert, plan.sources)]
+    views: list = []
+    for step in plan.steps:
+        if not isinstance(step, _Copy):
+            views.append(step)
+            continue
+        state = step.original.__dict__.copy()
+        parameters = {k: None if i < 0 else tensors[i] for k, i in step.params}
+        state["_parameters"] = parameters
+        state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
+        state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
+        if step.rnn:
             state["_flat_weights"] = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
+        new = object.__new__(type(step.original))
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
-        views[id(m)] = new
-        if id(m) in redirected:
-            to_redirect.append((m, state))
-        return new
-
-    root = view(module.module)
-    for m, state in to_redirect:  # after every view exists: a method may refer to a parent
-        for key in redirected[id(m)]:
-            state[key] = None if key == "_compiled_call_impl" else _redirect(m.__dict__[key], views)
-    return root
+        views.append(new)
+    if plan.redirects:  # after every view exists: a method may refer to a parent
+        by_id = {id(step.original if isinstance(step, _Copy) else step): view for step, view in zip(plan.steps, views)}
+        optimized = _optimized_module_type()
+        if optimized is not None:
+            for m in module.module.modules():
+                if isinstance(m, optimized):
+                    by_id[id(m)] = by_id.get(id(m._orig_mod), m)
+        for step, keys in plan.redirects:
+            original, state = plan.steps[step].original, views[step].__dict__
+            for key in keys:
+                state[key] = None if key == "_compiled_call_impl" else _redirect(original.__dict__[key], by_id)
+    return views[plan.root]
 
 
 __all__ = ["ModuleDescription", "describe_module", "bound_view"]
