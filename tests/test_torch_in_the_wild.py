@@ -193,7 +193,7 @@ def test_a_forward_closing_over_the_module_is_refused_before_f_runs():
     model = mlp()
     original = model.forward
     model.forward = lambda x: original(x) * 2  # captures the module through `original`
-    with pytest.raises(UnsupportedError, match="closure"):
+    with pytest.raises(UnsupportedError, match="closure or a global name"):
         ad.gradient(squared, Active(model), Constant(randn(2, 3)))
 
 

@@ -142,7 +142,7 @@ def describe_module(module: Any) -> ModuleDescription:
 
 
 def _module_names(module: Any) -> dict[int, str]:
-    return {id(m): name or "the module" for name, m in module.named_modules(remove_duplicate=True)}
+    return {id(m): name or type(m).__name__ for name, m in module.named_modules(remove_duplicate=True)}
 
 
 def _redirected_keys(m: Any, tree: set[int], names_of: dict[int, str]) -> tuple[str, ...]:
@@ -176,18 +176,23 @@ def _refers_to_tree(value: Any, tree: set[int], where: str, depth: int) -> bool:
         return any([_refers_to_tree(item, tree, where, depth + 1) for item in value])
     if isinstance(value, dict):
         return any([_refers_to_tree(item, tree, where, depth + 1) for item in value.values()])
-    if isinstance(value, types.FunctionType) and value.__closure__:
-        for cell in value.__closure__:
+    if isinstance(value, types.FunctionType):
+        captured = []
+        for cell in value.__closure__ or ():
             try:
-                content = cell.cell_contents
+                captured.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 continue
-            if _refers_to_tree(content, tree, where, depth + 1):
+        # A module-level function reaches the module through a global name instead.
+        captured += [value.__globals__[name] for name in value.__code__.co_names if name in value.__globals__]
+        for content in captured:
+            if not isinstance(content, (types.ModuleType, type)) and _refers_to_tree(content, tree, where, depth + 1):
                 raise UnsupportedError(
-                    f"activity: {where} is a function that captures a module of the argument in its "
-                    f"closure. activity runs a view of the module (its own parameters and buffer copies), "
-                    f"and a closure would run the original instead. Define it as a method or "
-                    f"functools.partial(function, module), or remove it before differentiating."
+                    f"activity: the attribute {where} is a function that reaches a module of the argument "
+                    f"through a closure or a global name. activity runs a view of the module (the "
+                    f"differentiated parameters, copies of the buffers), and that function would run the "
+                    f"original instead. Make it a method or functools.partial(function, module), or remove "
+                    f"it before differentiating."
                 )
     return False
 
