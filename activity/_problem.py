@@ -17,8 +17,9 @@ import attrs
 
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant
+from ._conventions import adapter_for, is_python_number
 from ._errors import UnsupportedError, add_note
-from ._tree import LEAF, flatten, leaf_paths, unflatten
+from ._tree import LEAF, flatten, leaf_paths, structure_difference, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
 
@@ -127,6 +128,9 @@ class Problem:
         self.module_names: dict[tuple[int, int], list[str]] = {}
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
         self.arrays_only = True  # every leaf of every argument is an array: a backend may take them whole
+        # position -> (convention, its static part, number of trainable leaves, their structure), for
+        # an argument a model library splits itself (a Flax NNX module); see _conventions.
+        self.adapted: dict[int, tuple] = {}
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
         self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
@@ -137,9 +141,19 @@ class Problem:
     # ------------------------------------------------------------------ parsing
 
     def _add_argument(self, position: int, kind: str, value: Any) -> None:
-        leaves, spec = flatten(value)
+        adapter = adapter_for(value)
+        if adapter is None:
+            leaves, spec = flatten(value)
+            trainable = len(leaves)
+        else:
+            static, params, rest = adapter.split(value)
+            trainable_leaves, trainable_spec = flatten(params)
+            trainable = len(trainable_leaves)
+            self.adapted[position] = (adapter, static, trainable, trainable_spec)
+            leaves, spec = flatten((params, rest))
         roles, statics, metas = [], [], []
         paths = None
+        in_tree = not spec.is_leaf()
         for index, leaf in enumerate(leaves):
             dkind = arrays.dtype_kind(leaf)
             if dkind == "c" and kind != "constant":
@@ -165,7 +179,7 @@ class Problem:
                 self.diff_shapes += [tuple(p.shape) for p in params]
                 self.diff_dtypes += [p.dtype for p in params]
                 meta = ("module", type(leaf).__name__, described.layout)
-            elif kind == "active" and dkind == "f":
+            elif kind == "active" and dkind == "f" and index < trainable and not (in_tree and is_python_number(leaf)):
                 role = DIFF
                 leaf = self.backend.as_array(leaf)
                 self.diff_shapes.append(arrays.shape(leaf))
@@ -196,7 +210,8 @@ class Problem:
             raise TypeError(
                 f"activity.{self.op_name}: {ordinal(position)} is Active but holds no floating-point "
                 f"value to differentiate ({type(value).__name__}). Mark it Constant(...) instead, or pass "
-                f"float arrays."
+                f"float arrays (a Python number inside a pytree is a static hyper-parameter: wrap it with "
+                f"jnp.asarray(...) or torch.tensor(...) to differentiate it)."
             )
         self.specs.append(spec)
         self.roles.append(tuple(roles))
@@ -219,6 +234,10 @@ class Problem:
         for position, (value, roles) in enumerate(zip(values, self.roles)):
             if type(value) is self.bare_types[position]:
                 leaves, spec = [value], LEAF  # a lone array or module, as prepared: no tree to walk
+            elif position in self.adapted:
+                leaves, spec = self._adapted_leaves(position, value, check)
+                if leaves is None:
+                    return None
             else:
                 leaves, spec = flatten(value)
             active = self.kinds[position] == "active"
@@ -258,8 +277,10 @@ class Problem:
     def check(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple:
         """The signature of ``values`` (for preparation checks and caches)."""
         signature = []
-        for kind, value in zip(kinds, values):
-            leaves, spec = flatten(value)
+        for position, (kind, value) in enumerate(zip(kinds, values)):
+            leaves, spec = self._adapted_leaves(position, value, True) if position in self.adapted else flatten(value)
+            if leaves is None:  # not the prepared model's graph: a structure of its own
+                leaves, spec = flatten(value)
             metas = []
             for leaf in leaves:
                 if arrays.is_torch_module(leaf):
@@ -285,13 +306,30 @@ class Problem:
                     f"{ordinal(position)}: prepared as {expected[0].capitalize()}, called as "
                     f"{actual[0].capitalize()}. Annotation kinds are fixed by prepare."
                 )
+            if position in self.adapted and self._adapted_leaves(position, value, True)[0] is None:
+                adapter = self.adapted[position][0]
+                return (
+                    f"{ordinal(position)}: prepared for another model: {adapter.describe(value)} whose graph "
+                    f"(submodules, attributes, variable types) differs from the prepared one."
+                )
             if expected[1] != actual[1]:
-                return f"{ordinal(position)}: pytree structure changed: expected {expected[1]}, got {actual[1]}."
+                return f"{ordinal(position)}: pytree structure changed: {_difference(expected[1], value)}."
             for index, (meta_e, meta_a) in enumerate(zip(expected[2], actual[2])):
                 if not _same_meta(meta_e, meta_a):
                     path = leaf_paths(value)[index] or "(the argument itself)"
                     return f"{ordinal(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
         return None
+
+    def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list | None, Any]:
+        """The leaves of an argument a model library splits itself (see `_conventions`); None
+        (with ``check``) where ``value`` is not a model of the prepared kind and graph."""
+        adapter, static = self.adapted[position][:2]
+        if adapter_for(value) is not adapter:
+            return None, None
+        new_static, params, rest = adapter.split(value)
+        if check and not _same_meta(("static", static), ("static", new_static)):
+            return None, None
+        return flatten((params, rest))
 
     # ------------------------------------------------------ inside the transform
 
@@ -378,7 +416,11 @@ class Problem:
                     names = self.module_names[(position, index)]
                     params = [next(x_iter) for _ in names] if self.kinds[position] == "active" else None
                     leaves.append(backend.bind_module(module, params))
-            values.append(leaves[0] if self.bare[position] else unflatten(spec, leaves))
+            value = leaves[0] if self.bare[position] else unflatten(spec, leaves)
+            if position in self.adapted:
+                adapter, static = self.adapted[position][:2]
+                value = adapter.merge(static, *value)
+            values.append(value)
         return values
 
     # ----------------------------------------------------------------- results
@@ -399,7 +441,11 @@ class Problem:
                     leaves.append({name: cast(next(it), next(dtypes)) for name in names})
                 else:
                     leaves.append(None)
-            results.append(leaves[0] if self.bare[position] else unflatten(self.specs[position], leaves))
+            result = leaves[0] if self.bare[position] else unflatten(self.specs[position], leaves)
+            if position in self.adapted:
+                adapter, static = self.adapted[position][:2]
+                result = adapter.result(static, result[0])
+            results.append(result)
         return results[0] if len(results) == 1 else tuple(results)
 
     def flat_like_active(self, tree: Any, what: str) -> tuple:
@@ -414,12 +460,13 @@ class Problem:
         shapes = iter(zip(self.diff_shapes, self.diff_dtypes, range(len(self.diff_shapes))))
         for number, (position, part) in enumerate(zip(self.active_positions, parts)):
             label = what if len(self.active_positions) == 1 else f"{what}[{number}]"
+            spec = self.adapted[position][3] if position in self.adapted else self.specs[position]
             try:
-                subtrees = self.specs[position].flatten_up_to(part)
+                subtrees = spec.flatten_up_to(part)
             except (ValueError, TypeError) as error:
                 raise ValueError(
-                    f"activity.{self.op_name}: {label} must have the structure of the Active {ordinal(position)}: "
-                    f"expected {self.specs[position]}, got {flatten(part)[1]} ({error})."
+                    f"activity.{self.op_name}: {label} must have the structure of the Active {ordinal(position)} "
+                    f"(as its result has): {_difference(spec, part)}."
                 ) from None
             for index, (role, sub) in enumerate(zip(self.roles[position], subtrees)):
                 if role == DIFF:
@@ -465,6 +512,15 @@ class Problem:
         # Paths are only needed for messages, so they are computed from the spec when asked.
         dummy = unflatten(self.specs[position], list(range(self.specs[position].num_leaves)))
         return leaf_paths(dummy)[index]
+
+def _difference(expected: Any, tree: Any) -> str:
+    """What differs between a structure and a tree, in one line; the two structures too when short."""
+    difference = structure_difference(expected, tree)
+    got = flatten(tree)[1]
+    if len(repr(expected)) + len(repr(got)) <= 200:
+        return f"expected {expected}, got {got} ({difference})"
+    return difference
+
 
 def _same_meta(expected: tuple, actual: tuple) -> bool:
     if expected[0] == "static" and actual[0] == "static":

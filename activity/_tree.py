@@ -257,3 +257,22 @@ def _codify(accessor: Any) -> str:
         else:
             parts.append(entry.codify(""))
     return "".join(parts)
+
+
+def structure_difference(expected: optree.PyTreeSpec, tree: Any) -> str:
+    """Where ``tree`` differs from the structure ``expected``, in one line (for messages):
+    the first leaf path one has and the other lacks, or the first node of another type."""
+    want = leaf_paths(unflatten(expected, list(range(expected.num_leaves))))
+    got = leaf_paths(tree)
+    missing = [path for path in want if path not in set(got)]
+    extra = [path for path in got if path not in set(want)]
+    parts = []
+    if missing:
+        parts.append(f"missing {missing[0] or 'the root'}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    if extra:
+        parts.append(f"unexpected {extra[0] or 'the root'}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else ""))
+    if not parts:
+        have = flatten(tree)[1]
+        kinds = (expected.type.__name__ if expected.type else "a leaf", have.type.__name__ if have.type else "a leaf")
+        parts.append(f"a {kinds[1]} where a {kinds[0]} is expected" if kinds[0] != kinds[1] else "node types differ")
+    return "; ".join(parts)

@@ -174,7 +174,7 @@ def test_tangent_of_the_wrong_structure(backend):
     f = Counted()
     x = x_for(backend)
     g = lambda p: f(p["w"]) + f(p["b"])  # noqa: E731
-    with pytest.raises(ValueError, match=r"tangent must have the structure of the Active argument 0\b.*missing key.*'b'"):
+    with pytest.raises(ValueError, match=r"tangent must have the structure of the Active argument 0\b.*missing \['b'\]"):
         ad.pushforward(g, Active({"w": x, "b": x}), tangent={"w": x}, backend=backend)
     with pytest.raises(ValueError, match=r"tangent must have the structure of the Active argument 0\b"):
         ad.pushforward(g, Active({"w": x, "b": x}), tangent=[x, x], backend=backend)

@@ -69,11 +69,14 @@ class AutoFiniteDifferences(Backend):
         return leaf if arrays.is_array(leaf) else np.asarray(leaf, dtype=np.float64)
 
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
+        # A copy, so every evaluation starts from the same state; floating leaves in float64,
+        # the others (counters, indices, masks) in their own dtype.
+        floating = arrays.dtype_kind(leaf) == "f"
         if arrays.is_torch(leaf):
-            return leaf.detach().to(sys.modules["torch"].float64, copy=True)
+            return leaf.detach().to(sys.modules["torch"].float64, copy=True) if floating else leaf.detach().clone()
         if arrays.is_jax(leaf):
-            return sys.modules["jax"].numpy.array(leaf, dtype="float64")
-        return np.array(leaf, dtype=np.float64)  # a copy: every evaluation starts from the same state
+            return sys.modules["jax"].numpy.array(leaf, dtype="float64" if floating else None)
+        return np.array(leaf, dtype=np.float64 if floating else None)
 
     def describe_module(self, module: Any, previous: Any = None) -> Any:
         from ._torch import AutoTorch

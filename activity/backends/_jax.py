@@ -8,6 +8,7 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
+from .. import _arrays as arrays
 from .._problem import array_meta, combine, partition
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
@@ -51,9 +52,10 @@ class AutoJAX(Backend):
 
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
         # JAX arrays are immutable: f writes with `.at[...].set(...)` and gets a traced array.
+        # A leaf that is not floating (a counter, an index, a mask) keeps its dtype.
         jnp = _jax().numpy
-        dtype = jnp.result_type(leaf, like) if like is not None else None
-        return jnp.asarray(leaf, dtype=dtype)
+        floating = like is not None and arrays.dtype_kind(leaf) == "f"
+        return jnp.asarray(leaf, dtype=jnp.result_type(leaf, like) if floating else None)
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         jax = _jax()
