@@ -692,16 +692,18 @@ def test_every_operator_is_right_from_sixteen_threads():
 
 
 def test_a_wrong_batched_pullback_from_torch_is_caught_and_recomputed(monkeypatch):
-    """Fault injection: a batched backward that repeats its first row, as torch's broken rules do."""
-    real = torch.autograd.grad
+    """Fault injection: a vmap whose rows all repeat the first one, as torch's broken rules do."""
+    real = torch.func.vmap
 
-    def broken(*args, is_grads_batched=False, **kwargs):
-        grads = real(*args, is_grads_batched=is_grads_batched, **kwargs)
-        if not is_grads_batched:
-            return grads
-        return tuple(None if g is None else g[:1].expand_as(g).clone() for g in grads)
+    def broken(function, *args, **kwargs):
+        vectorised = real(function, *args, **kwargs)
 
-    monkeypatch.setattr(torch.autograd, "grad", broken)
+        def call(*inputs):
+            return torch.utils._pytree.tree_map(lambda g: g[:1].expand_as(g).clone(), vectorised(*inputs))
+
+        return call
+
+    monkeypatch.setattr(torch.func, "vmap", broken)
     x = randn(4, seed=24, dtype=torch.float64)
     f = lambda x: torch.stack([x.sum(), (x**2).sum()])  # noqa: E731
     with pytest.warns(RuntimeWarning, match="disagreed"):

@@ -1,7 +1,7 @@
 """PyTorch: the autograd tape first, `torch.func` where it is faster or needed.
 
 Reverse mode runs on the tape (`torch.autograd.grad`, batched cotangents with
-``is_grads_batched``): one evaluation of ``f``, any operation autograd knows,
+`vmap` over it): one evaluation of ``f``, any operation autograd knows,
 random layers drawing once. Forward mode and batched second order use
 `torch.func` (`jvp`, `grad`, `vmap`); where torch cannot run a function that
 way (no forward-mode rule, a custom `autograd.Function` without
@@ -220,19 +220,7 @@ class AutoTorch(Backend):
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
                 return one(cts)
-            if self.vectorize is not False:
-                try:
-                    grads = _torch().autograd.grad(
-                        outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True,
-                        is_grads_batched=True,
-                    )
-                except (RuntimeError, NotImplementedError) as error:
-                    if self.vectorize or not _is_transform_limit(error):
-                        raise
-                else:
-                    batch = _zeros_for_unused(grads, xs, F, lead=arrays.shape(cts[0])[:1])
-                    return batch if _agrees_with_one(batch, cts, one) else _loop(one, cts)
-            return _loop(one, cts)
+            return _batched(one, cts, self)
 
         return tuple(y.detach() for y in ys), aux, pull
 
@@ -333,6 +321,21 @@ def _zeros_for_unused(grads: tuple, xs: Flat, F: Any, lead: tuple = ()) -> Flat:
     if any(g is None for g in grads):
         return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) if g is None else g for g, x in zip(grads, xs))
     return tuple(grads)
+
+
+def _batched(one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch) -> Flat:
+    """``one`` over a batch of cotangents: `vmap` over the tape's backward pass (much faster
+    than ``is_grads_batched``, which runs torch's older vmap), checked by `_agrees_with_one`;
+    one cotangent at a time where torch cannot batch it or batches it wrong."""
+    if backend.vectorize is not False:
+        try:
+            batch = _torch().func.vmap(one, randomness=backend.randomness)(cts)
+        except (RuntimeError, NotImplementedError) as error:
+            if backend.vectorize or not _is_transform_limit(error):
+                raise
+        else:
+            return batch if backend.vectorize or _agrees_with_one(batch, cts, one) else _loop(one, cts)
+    return _loop(one, cts)
 
 
 def _loop(one: Callable[[Flat], Flat], cts: Flat) -> Flat:
@@ -478,7 +481,7 @@ def _forward_over_reverse(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Fla
 
 def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple:
     """Reverse over reverse on the tape: one backward pass with ``create_graph``, then one
-    more per tangent (a batch vectorised with ``is_grads_batched``)."""
+    more per tangent (a batch vectorised with `vmap` over it)."""
     torch = _torch()
     leaves = tuple(map(_tape_leaf, xs))
     ys, aux = F(leaves)
@@ -487,27 +490,15 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     grads = _zeros_for_unused(torch.autograd.grad(ys[0], leaves, create_graph=True, allow_unused=True), xs, F)
     live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative
 
-    def pull(tangent: Flat, lead: tuple) -> Flat:
+    def one(tangent: Flat) -> Flat:
         hvps = (None,) * len(xs)
         if live:
             hvps = torch.autograd.grad(
-                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=True, allow_unused=True,
-                is_grads_batched=bool(lead),
+                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=True, allow_unused=True
             )
-        return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) if h is None else h for h, x in zip(hvps, xs))
+        return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
 
-    one = lambda tangent: pull(tangent, ())  # noqa: E731
-    if not batched:
-        hvps = one(ts)
-    elif backend.vectorize is False:
-        hvps = _loop(one, ts)
-    else:
-        try:
-            hvps = pull(ts, arrays.shape(ts[0])[:1])
-        except (RuntimeError, NotImplementedError) as error:
-            if backend.vectorize or not _is_transform_limit(error):
-                raise
-            hvps = _loop(one, ts)
+    hvps = _batched(one, ts, backend) if batched else one(ts)
     detached = tuple(g.detach() for g in grads)
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
