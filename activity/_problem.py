@@ -65,20 +65,31 @@ def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[st
 def array_meta(leaf: Any) -> tuple:
     """What a prepared operator needs unchanged in an array: framework, shape, dtype (and torch device)."""
     if arrays.is_torch(leaf):
-        return ("torch", tuple(leaf.shape), leaf.dtype, leaf.device)
+        return ("torch", tuple(leaf.shape), leaf.dtype, leaf.device)  # a meta-device placeholder: device meta
     if not arrays.is_array(leaf):
+        if arrays.is_jax_placeholder(leaf):  # equal to no array's meta: a call with a placeholder is refused
+            return ("placeholder", "jax.ShapeDtypeStruct", tuple(leaf.shape), str(leaf.dtype))
         return ("static", leaf)
     return (arrays.framework(leaf), arrays.shape(leaf), str(leaf.dtype), None)  # JAX placement is not checked
 
 
 def _describe(meta: tuple) -> str:
     if meta[0] == "static":
-        return f"the value {meta[1]!r:.60}"
+        return f"the {type(meta[1]).__name__} {meta[1]!r:.60}"
+    if meta[0] == "placeholder":
+        return f"a placeholder ({meta[1]} of shape {meta[2]} and dtype {meta[3]})"
     if meta[0] == "module":
         return f"a {meta[1]} module with parameters and buffers {[entry for entry in meta[2] if isinstance(entry, tuple)]}"
     framework, shape, dtype, device = meta
     where = f" on {device}" if device else ""
+    if _any_device(meta):
+        where = " (prepared from a meta-device placeholder: any device)"
     return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
+
+
+def _any_device(meta: tuple) -> bool:
+    """Whether ``meta`` is a torch placeholder's: a tensor on the meta device fixes shape and dtype only."""
+    return meta[0] == "torch" and getattr(meta[3], "type", None) == "meta"
 
 
 @attrs.define
@@ -398,6 +409,8 @@ class Problem:
     def rebuild(self, xs: tuple, ctx: tuple) -> list:
         """``f``'s arguments, built from the flat leaves inside the current transform."""
         backend = self.backend
+        if backend.copies_inputs:  # f may write into what it gets: every evaluation starts afresh
+            xs, ctx = tuple(map(backend.fresh_input, xs)), tuple(map(backend.fresh_input, ctx))
         x_iter, c_iter = iter(xs), iter(ctx)
         values = []
         for position, (spec, roles, statics) in enumerate(zip(self.specs, self.roles, self.statics)):
@@ -524,10 +537,20 @@ def _difference(expected: Any, tree: Any) -> str:
 
 def _same_meta(expected: tuple, actual: tuple) -> bool:
     if expected[0] == "static" and actual[0] == "static":
+        # Static values match by type and equality: 2 and 2.0 (or 1 and True) are different
+        # signatures, as f may treat them differently. The same object always matches itself,
+        # so an object changed in place is not seen (see docs/preparation.md).
+        prepared, given = expected[1], actual[1]
+        if prepared is given:
+            return True
+        if type(prepared) is not type(given):
+            return False
         try:
-            return bool(expected[1] is actual[1] or expected[1] == actual[1])
+            return bool(prepared == given)
         except Exception:  # noqa: BLE001 - objects whose == is not a bool compare by identity
             return False
+    if _any_device(expected):
+        return actual[0] == "torch" and expected[1:3] == actual[1:3]
     return expected == actual
 
 

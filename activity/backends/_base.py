@@ -35,6 +35,9 @@ class Backend:
     """Base class of the backends: JAX, PyTorch, finite differences, `SecondOrder`."""
 
     framework: ClassVar[str | None] = None  # array framework this backend differentiates natively
+    # Whether f gets a copy of every array on every evaluation (`fresh_input`): a backend that
+    # evaluates f many times on the same values cannot let one evaluation change the next.
+    copies_inputs: ClassVar[bool] = False
 
     # -- what it supports ------------------------------------------------------
 
@@ -74,6 +77,10 @@ class Backend:
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
         """The buffer ``f`` gets for a Cache leaf, made inside the current transform, with a
         dtype that holds both its own values and those of ``like`` (a differentiated leaf)."""
+        return leaf
+
+    def fresh_input(self, leaf: Any) -> Any:
+        """A copy of an array ``f`` is given (see ``copies_inputs``); other leaves as they are."""
         return leaf
 
     def cast_result(self, value: Any, dtype: Any) -> Any:

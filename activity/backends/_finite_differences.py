@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import warnings
 from typing import Any, Callable
 
 import attrs
@@ -36,6 +37,34 @@ def _max_abs(leaves: Flat) -> float:
     return math.inf if math.isnan(largest) else largest
 
 
+def _positive(name: str, hint: str) -> Callable:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"AutoFiniteDifferences({name}={value!r}): must be a finite number > 0 ({hint}).")
+
+    return check
+
+
+def _greater_than_one(instance: Any, attribute: Any, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 1):
+        raise ValueError(
+            f"AutoFiniteDifferences(shrink={value!r}): must be a finite number > 1 (each step is the previous "
+            f"one divided by it), e.g. 1.4."
+        )
+
+
+def _count(name: str, least: int, why: str) -> Callable:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"AutoFiniteDifferences({name}={value!r}): must be an integer >= {least} ({why}).")
+
+    return check
+
+
+class ReferencePrecisionWarning(RuntimeWarning):
+    """``f`` returned floats of lower precision than the float64 finite differences evaluate in."""
+
+
 @attrs.frozen
 class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
@@ -52,11 +81,19 @@ class AutoFiniteDifferences(Backend):
     np.float64(1.0)
     """
 
-    step: float = 0.1
-    shrink: float = 1.4
-    max_steps: int = 10
-    retries: int = 4
+    step: float = attrs.field(default=0.1, validator=_positive("step", "the largest step tried, e.g. 0.1"))
+    shrink: float = attrs.field(default=1.4, validator=_greater_than_one)
+    max_steps: int = attrs.field(default=10, validator=_count("max_steps", 2, "Ridders' method needs two steps"))
+    retries: int = attrs.field(default=4, validator=_count("retries", 1, "one start at least"))
     framework = None  # works on numpy, JAX and torch values
+    copies_inputs = True  # f is evaluated many times on the same values: none may change the next
+
+    def fresh_input(self, leaf: Any) -> Any:
+        if arrays.is_torch(leaf):
+            return leaf.clone()
+        if isinstance(leaf, np.ndarray):
+            return leaf.copy()
+        return leaf  # JAX arrays are immutable; other leaves are not arrays
 
     def as_array(self, leaf: Any) -> Any:
         return np.asarray(leaf, dtype=np.float64) if isinstance(leaf, float) else leaf
@@ -143,17 +180,26 @@ class AutoFiniteDifferences(Backend):
             return self._loop_jvp(F, xs, ts)
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
+        _warn_if_low_precision(ys, getattr(F, "op_name", None))
         ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
         if scale == 0.0:
             return ys, aux, tuple(arrays.zeros_like(_to_float64(y)) for y in ys)
         direction = tuple(t / scale for t in ts)
 
+        raised: list[BaseException] = []
+
         def central(h: float) -> Flat:
-            with np.errstate(all="ignore"):  # a trial step may leave f's domain; the estimate handles it
-                plus, _ = F(tuple(x + h * t for x, t in zip(xs, direction)))
-                minus, _ = F(tuple(x - h * t for x, t in zip(xs, direction)))
-                return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
+            # A trial step may leave f's domain (nan, or f raising, as binary_cross_entropy does
+            # outside [0, 1]): that step's estimate is nan, and the extrapolation avoids it.
+            try:
+                with np.errstate(all="ignore"):
+                    plus, _ = F(tuple(x + h * t for x, t in zip(xs, direction)))
+                    minus, _ = F(tuple(x - h * t for x, t in zip(xs, direction)))
+            except Exception as error:  # noqa: BLE001 - re-raised below if every step fails
+                raised.append(error)
+                return tuple(arrays.zeros_like(_to_float64(y)) * math.nan for y in ys)
+            return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
 
         # A first step too large for the function's scale or domain (log near 0) shows as a large
         # error estimate or nan: start again ten times smaller, keep the best estimate.
@@ -165,6 +211,8 @@ class AutoFiniteDifferences(Backend):
             if math.isfinite(error) and error <= 1e-11 * _max_abs(estimate):
                 break
             step /= 10
+        if raised and not math.isfinite(best_error):
+            raise raised[-1]  # no step stayed inside f's domain: f's own error, as it raised it
         return ys, aux, tuple(e * scale for e in best)
 
     def _loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
@@ -230,6 +278,27 @@ class AutoFiniteDifferences(Backend):
         return arrays.moveaxes_front_to_back(arrays.concat_flat(list(columns)), 1)
 
 
+def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
+    """Differences of float32 values cannot give a float64 derivative: say so (the testing kit
+    reports the reference unreliable instead of blaming the backend it checks)."""
+    low = sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
+    if low:
+        warnings.warn(
+            f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f returned {', '.join(low)} "
+            f"values although its inputs were float64, so the finite differences carry that precision's "
+            f"rounding error (a .float() call, a float32 parameter or constant inside f?). Keep f in float64, "
+            f"or compare against an AD backend instead.",
+            ReferencePrecisionWarning,
+            stacklevel=3,
+        )
+
+
+def _bits(y: Any) -> int:
+    if arrays.is_torch(y):
+        return y.element_size() * 8
+    return np.dtype(y.dtype).itemsize * 8
+
+
 def _for(F: Any, leaves: Flat) -> Flat:
     """``leaves`` as ``F`` takes them: numpy for a function evaluated on the host."""
     if getattr(F, "on_host", False):
@@ -251,4 +320,4 @@ def _cast(leaf: Any, dtype: Any) -> Any:
     return leaf.astype(dtype)
 
 
-__all__ = ["AutoFiniteDifferences"]
+__all__ = ["AutoFiniteDifferences", "ReferencePrecisionWarning"]
