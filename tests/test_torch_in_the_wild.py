@@ -709,3 +709,20 @@ def test_a_wrong_batched_pullback_from_torch_is_caught_and_recomputed(monkeypatc
     with pytest.warns(RuntimeWarning, match="disagreed"):
         jac = ad.jacobian(f, Active(x))
     torch.testing.assert_close(jac, torch.stack([torch.ones(4, dtype=torch.float64), 2 * x]))
+
+
+def test_a_model_dropped_by_the_user_is_freed():
+    """Module descriptions are kept between calls (an unprepared call walks a model once),
+    but never keep a model alive."""
+    import gc
+    import weakref
+
+    model = bn_model().train()
+    model.forward = functools.partial(nn.Sequential.forward, model)  # a reference cycle through __dict__
+    x = randn(4, 3)
+    ad.gradient(squared, Active(model), Constant(x))
+    ad.hvp(squared, Active(model), Constant(x), tangent={n: torch.ones_like(p) for n, p in named_trainable(model)})
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

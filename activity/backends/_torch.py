@@ -32,7 +32,7 @@ import attrs
 from .. import _arrays as arrays
 from .._tree import flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
-from ._torch_modules import ModuleDescription, bound_view, describe_module
+from ._torch_modules import ModuleDescription, bound_view, described
 
 
 def _torch() -> Any:
@@ -149,7 +149,7 @@ class AutoTorch(Backend):
     def describe_module(self, module: Any, previous: ModuleDescription | None = None) -> ModuleDescription:
         if previous is not None and previous.still_describes(module):
             return previous
-        return describe_module(module)
+        return described(module)
 
     def bind_module(self, module: ModuleDescription, params: list[Any] | None) -> Any:
         if params is None and not (module.has_buffers or module.has_inference):

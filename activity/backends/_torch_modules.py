@@ -22,6 +22,7 @@ import functools
 import operator
 import sys
 import types
+import weakref
 from typing import Any, Callable
 
 import attrs
@@ -39,9 +40,13 @@ def _optimized_module_type() -> type | None:
 
 @attrs.frozen(eq=False)
 class ModuleDescription:
-    """What one walk over a module found (see `describe_module`)."""
+    """What one walk over a module found (see `describe_module`).
 
-    module: Any
+    It holds its module weakly: descriptions are kept between calls (`described`), and
+    a description must not keep a model the user has dropped alive.
+    """
+
+    module_ref: Any  # weakref.ref to the module
     names: list[str]  # trainable parameters, named like named_parameters(), shared ones once
     params: list[Any]
     layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
@@ -57,6 +62,10 @@ class ModuleDescription:
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict = attrs.field(factory=dict)
     plans: dict = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
+
+    @property
+    def module(self) -> Any:
+        return self.module_ref()
 
     def still_describes(self, module: Any) -> bool:
         """Whether ``module`` is the module described, unchanged: the same objects in every
@@ -76,7 +85,7 @@ class ModuleDescription:
                 or tensor.device != device
             ):
                 return False
-        return all(len(state) == size for state, size in self.dict_sizes)
+        return all(len(ref().__dict__) == size for ref, size in self.dict_sizes)
 
 
 def describe_module(module: Any) -> ModuleDescription:
@@ -127,7 +136,7 @@ def describe_module(module: Any) -> ModuleDescription:
         if keys:
             redirected[id(m)] = keys
     return ModuleDescription(
-        module,
+        weakref.ref(module),
         names,
         params,
         tuple(layout),
@@ -136,9 +145,25 @@ def describe_module(module: Any) -> ModuleDescription:
         filled,
         empty,
         tuple(tensors),
-        tuple((m.__dict__, len(m.__dict__)) for m in modules),
+        tuple((weakref.ref(m), len(m.__dict__)) for m in modules),
         redirected,
     )
+
+
+_RECENT: dict[int, ModuleDescription] = {}  # id(module) -> its latest description, while it lives
+
+
+def described(module: Any) -> ModuleDescription:
+    """`describe_module`, reusing the module's last description while it still describes it
+    (an unprepared call on the same model, call after call, walks it once)."""
+    previous = _RECENT.get(id(module))
+    if previous is not None and previous.still_describes(module):
+        return previous
+    description = describe_module(module)
+    _RECENT[id(module)] = description
+    if previous is None:
+        weakref.finalize(module, _RECENT.pop, id(module), None)
+    return description
 
 
 def _module_names(module: Any) -> dict[int, str]:
@@ -225,7 +250,7 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
 class _Copy:
     """One submodule a view copies, and where each of its slots comes from."""
 
-    original: Any
+    original_ref: Any  # weakref.ref: a kept plan must not keep the model alive
     params: tuple  # (key, source): source -1 for None, else an index into the call's tensors
     buffers: tuple
     children: tuple  # (key, step): step -1 for None, else the index of the child's view
@@ -274,7 +299,7 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
         )
         if copied:
             step = _Copy(
-                m,
+                weakref.ref(m),
                 tuple((k, slot(p)) for k, p in m._parameters.items()),
                 tuple((k, slot(b)) for k, b in m._buffers.items()),
                 children,
@@ -288,9 +313,9 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
 
     root = visit(module.module)
     redirects = tuple(
-        (i, module.redirected[id(step.original)])
+        (i, module.redirected[id(step.original_ref())])
         for i, step in enumerate(steps)
-        if isinstance(step, _Copy) and id(step.original) in module.redirected
+        if isinstance(step, _Copy) and id(step.original_ref()) in module.redirected
     )
     return _ViewPlan(tuple(steps), tuple(sources), len(module.params) if active else 0, root, redirects)
 
@@ -313,28 +338,29 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
         if not isinstance(step, _Copy):
             views.append(step)
             continue
-        state = step.original.__dict__.copy()
+        original = step.original_ref()
+        state = original.__dict__.copy()
         parameters = {k: None if i < 0 else tensors[i] for k, i in step.params}
         state["_parameters"] = parameters
         state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
         state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
         if step.rnn:
             state["_flat_weights"] = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
-        new = object.__new__(type(step.original))
+        new = object.__new__(type(original))
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
         views.append(new)
     if plan.redirects:  # after every view exists: a method may refer to a parent
-        by_id = {id(step.original if isinstance(step, _Copy) else step): view for step, view in zip(plan.steps, views)}
+        by_id = {id(step.original_ref() if isinstance(step, _Copy) else step): view for step, view in zip(plan.steps, views)}
         optimized = _optimized_module_type()
         if optimized is not None:
             for m in module.module.modules():
                 if isinstance(m, optimized):
                     by_id[id(m)] = by_id.get(id(m._orig_mod), m)
         for step, keys in plan.redirects:
-            original, state = plan.steps[step].original, views[step].__dict__
+            original, state = plan.steps[step].original_ref(), views[step].__dict__
             for key in keys:
                 state[key] = None if key == "_compiled_call_impl" else _redirect(original.__dict__[key], by_id)
     return views[plan.root]
 
 
-__all__ = ["ModuleDescription", "describe_module", "bound_view"]
+__all__ = ["ModuleDescription", "describe_module", "described", "bound_view"]
