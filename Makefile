@@ -28,11 +28,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
-# The 200-seed sweep of the torch catalogue against finite differences, in two shards
-# (one per core, one thread each).
+# The 200-seed sweeps, in two shards (one per core, one thread each): the torch catalogue
+# against finite differences, and the kinked float32 models (false alarms, planted errors caught).
 flake: $(STAMP)
-	OMP_NUM_THREADS=1 ACTIVITY_FLAKE_SEEDS=0:100 $(PY) -m pytest -q -p no:cacheprovider tests/test_flakes.py & first=$$!; \
-	OMP_NUM_THREADS=1 ACTIVITY_FLAKE_SEEDS=100:200 $(PY) -m pytest -q -p no:cacheprovider tests/test_flakes.py; second=$$?; \
+	OMP_NUM_THREADS=1 ACTIVITY_FLAKE_SEEDS=0:100 ACTIVITY_SWEEP_SEEDS=0:100 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_flakes.py tests/test_reference_sweep.py & first=$$!; \
+	OMP_NUM_THREADS=1 ACTIVITY_FLAKE_SEEDS=100:200 ACTIVITY_SWEEP_SEEDS=100:200 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_flakes.py tests/test_reference_sweep.py; second=$$?; \
 	wait $$first && exit $$second
 
 clean:

@@ -70,18 +70,19 @@ class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
 
     Args:
-        step: the largest step tried; Ridders' method shrinks it by ``shrink``
+        step: the largest step tried (small enough by default not to straddle the kinks of
+            ReLU and max-pooling models at usual scales); Ridders' method shrinks it by ``shrink``
             up to ``max_steps`` times and extrapolates to zero step. When the
             error estimate stays large (or the step leaves the function's
             domain) it starts again ten times smaller, up to ``retries`` times.
 
     >>> import numpy as np
     >>> import activity as ad
-    >>> ad.derivative(np.sin, ad.Active(0.0), backend=ad.AutoFiniteDifferences())
+    >>> np.round(ad.derivative(np.sin, ad.Active(0.0), backend=ad.AutoFiniteDifferences()), 12)
     np.float64(1.0)
     """
 
-    step: float = attrs.field(default=0.1, validator=_positive("step", "the largest step tried, e.g. 0.1"))
+    step: float = attrs.field(default=0.01, validator=_positive("step", "the largest step tried, e.g. 0.01"))
     shrink: float = attrs.field(default=1.4, validator=_greater_than_one)
     max_steps: int = attrs.field(default=10, validator=_count("max_steps", 2, "Ridders' method needs two steps"))
     retries: int = attrs.field(default=4, validator=_count("retries", 1, "one start at least"))
