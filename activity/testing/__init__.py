@@ -7,10 +7,11 @@
 2
 """
 
+from ._check import CheckReport, check
 from ._compare import assert_tree_allclose
 from ._default import default_scenarios
 from ._plugin import Case, parametrize
-from ._runner import Outcome, Report, check_scenario, test_differentiation
+from ._runner import Outcome, Report, UsageError, check_scenario, test_differentiation
 from ._scenario import Scenario
 from ._transforms import batchify, cachify, closurify, constantify
 
@@ -40,6 +41,8 @@ def nn_scenarios(framework: str, seed: int = 0) -> list[Scenario]:
 
 
 __all__ = [
+    "check",
+    "CheckReport",
     "assert_tree_allclose",
     "Scenario",
     "default_scenarios",
@@ -52,6 +55,7 @@ __all__ = [
     "check_scenario",
     "Report",
     "Outcome",
+    "UsageError",
     "Case",
     "parametrize",
 ]

@@ -1,0 +1,225 @@
+"""`check`: the one-call derivative check for a layer author, on any framework.
+
+In the spirit of `torch.autograd.gradcheck` and `jax.test_util.check_grads`, but
+for functions of several annotated arguments, pytrees and modules, float32
+models included. Every derivative is compared with an independent answer:
+
+- the reference's (float64 finite differences by default) along seeded random
+  directions: ``pushforward`` along ``u`` against the reference's directional
+  derivative, ``pullback`` of ``v`` through ``<pullback(v), u> == <v, J u>``,
+  ``gradient`` through ``<gradient, u>``, ``hvp`` along ``u`` against the
+  reference's derivative of ``<gradient, u>``; full ``jacobian`` and ``hessian``
+  against the reference's where the function is small;
+- the backend's own other operators: a batch of tangents against one at a
+  time, ``hvp`` against ``hessian @ u``, ``gradient_and_hvp`` against both;
+- itself: two runs of each operator must agree (nondeterminism).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .. import _arrays as arrays
+from .._annotations import Annotation
+from .._tree import flatten, leaf_paths, unflatten
+from ..backends import resolve_backend
+from ..backends._finite_differences import AutoFiniteDifferences, ReferencePrecisionWarning
+from ._compare import assert_tree_allclose, to_float64
+
+_SMALL = 64  # at most this many inputs and outputs: full Jacobians and Hessians are compared too
+
+
+class CheckReport:
+    """What `check` compared; ``str()`` lists each comparison with its status."""
+
+    def __init__(self) -> None:
+        self.passed: list[str] = []
+        self.failed: list[str] = []
+        self.unreliable: list[str] = []
+
+    def __str__(self) -> str:
+        lines = [f"  ok    {name}" for name in self.passed]
+        lines += [f"  FAIL  {message}" for message in self.failed]
+        lines += [f"  ??    {message}" for message in self.unreliable]
+        summary = f"{len(self.passed)} checks passed, {len(self.failed)} failed"
+        if self.unreliable:
+            summary += f", {len(self.unreliable)} not decided (reference unreliable)"
+        return "\n".join([summary, *lines])
+
+
+def check(
+    f: Callable,
+    *args: Annotation,
+    backends: Any = None,
+    reference: Any = None,
+    operators: Sequence[str] | None = None,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+    directions: int = 2,
+    seed: int = 0,
+) -> CheckReport:
+    """Check every operator that applies to ``f`` on ``backends`` against ``reference``.
+
+    ``backends``: a backend or a list (default: the one inferred from the
+    arguments). ``reference``: the independent answer (default: float64 finite
+    differences). ``operators``: restrict to these names. ``directions``: random
+    directions per directional check. Raises one `AssertionError` that names
+    each failing operator, backend and path; returns a `CheckReport` otherwise.
+
+    >>> import torch
+    >>> import activity as ad
+    >>> from activity.testing import check
+    >>> layer = torch.nn.Linear(3, 2)
+    >>> report = check(lambda m, x: torch.tanh(m(x)), ad.Active(layer), ad.Constant(torch.randn(4, 3)))
+    >>> report.failed
+    []
+    """
+    for position, arg in enumerate(args):
+        if not isinstance(arg, Annotation):
+            raise TypeError(f"check: argument {position} is an unannotated {type(arg).__name__}; wrap it as Active(...) or Constant(...).")
+    values = tuple(a.value for a in args)
+    if backends is None:
+        backends = [resolve_backend("check", None, values)]
+    elif not isinstance(backends, (list, tuple)):
+        backends = [backends]
+    reference = AutoFiniteDifferences() if reference is None else reference
+    import activity as ad
+
+    output = _call(f, values)
+    scalar = arrays.is_array(output) and arrays.shape(output) == ()
+    applicable = ["pushforward", "pullback", "jacobian"] + (["gradient", "hvp", "hessian", "gradient_and_hvp"] if scalar else [])
+    chosen = [op for op in applicable if operators is None or op in operators]
+    unknown = sorted(set(operators or ()) - set(applicable))
+    if unknown:
+        raise ValueError(f"check: {unknown} do not apply to this f (they need a scalar output); choose from {applicable}.")
+    rng = np.random.default_rng(seed)
+    structure = ad.pullback(f, *args, cotangent=_like(output, rng, ones=True), backend=backends[0])
+    tangents = [_like(structure, rng) for _ in range(directions)]
+    cotangents = [_like(output, rng) for _ in range(directions)]
+    small = _total(structure) <= _SMALL and _total(output) <= _SMALL
+    report = CheckReport()
+
+    def compare(name: str, actual: Any, expected: Any, reference_used: bool) -> None:
+        try:
+            assert_tree_allclose(actual, expected, rtol=rtol, atol=atol)
+        except AssertionError as error:
+            if reference_used and unreliable:
+                report.unreliable.append(f"{name}: reference unreliable: {unreliable[0]}")
+            else:
+                report.failed.append(f"{name}: {error}")
+        else:
+            report.passed.append(name)
+
+    unreliable: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ReferencePrecisionWarning)
+        ref_jvps = [ad.pushforward(f, *args, tangent=t, backend=reference) for t in tangents]
+        ref_jac = ad.jacobian(f, *args, backend=reference) if small and "jacobian" in chosen else None
+        ref_hess = ad.hessian(f, *args, backend=reference) if small and "hessian" in chosen else None
+    for warning in caught:
+        if issubclass(warning.category, ReferencePrecisionWarning):
+            unreliable.append(
+                "f computes in lower precision than float64, so finite differences carry its rounding error; "
+                "keep f in float64 or pass reference=<an AD backend>"
+            )
+            break
+
+    for backend in backends:
+        label = f"{backend!r}"
+
+        def run(name: str, call: Callable[[], Any]) -> Any:
+            try:
+                first = call()
+                second = call()
+            except Exception as error:  # noqa: BLE001 - reported as a failure of this operator
+                report.failed.append(f"{name} on {label}: raised {type(error).__name__}: {str(error)[:300]}")
+                return None
+            try:
+                assert_tree_allclose(second, first, rtol=1e-6, atol=1e-7)
+            except AssertionError as error:
+                report.failed.append(f"{name} on {label}: two runs disagree (nondeterministic): {error}")
+            return first
+
+        for i, (u, v) in enumerate(zip(tangents, cotangents)):
+            if "pushforward" in chosen:
+                jvp = run(f"pushforward[u{i}]", lambda u=u: ad.pushforward(f, *args, tangent=u, backend=backend))
+                if jvp is not None:
+                    compare(f"pushforward[u{i}] on {label} vs reference", jvp, ref_jvps[i], True)
+            if "pullback" in chosen:
+                vjp = run(f"pullback[v{i}]", lambda v=v: ad.pullback(f, *args, cotangent=v, backend=backend))
+                if vjp is not None:
+                    compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True)
+            if "gradient" in chosen:
+                grad = run(f"gradient", lambda: ad.gradient(f, *args, backend=backend))
+                if grad is not None:
+                    compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True)
+            if "hvp" in chosen:
+                hvp = run(f"hvp[u{i}]", lambda u=u: ad.hvp(f, *args, tangent=u, backend=backend))
+                if hvp is not None:
+                    # finite differences of the backend's gradient (checked above) along u
+                    outer = ad.SecondOrder(reference, backend) if isinstance(reference, AutoFiniteDifferences) else reference
+                    expected = ad.hvp(f, *args, tangent=u, backend=outer)
+                    compare(f"hvp[u{i}] on {label} vs the reference's derivative of the gradient", hvp, expected, True)
+        if "pushforward" in chosen and len(tangents) > 1:
+            batch = run("pushforward(tangents=[...])", lambda: ad.pushforward(f, *args, tangents=tangents, backend=backend))
+            if batch is not None:
+                singles = [ad.pushforward(f, *args, tangent=t, backend=backend) for t in tangents]
+                compare(f"pushforward(tangents=[...]) on {label} vs one tangent at a time", list(batch), singles, False)
+        if ref_jac is not None:
+            jac = run("jacobian", lambda: ad.jacobian(f, *args, backend=backend))
+            if jac is not None:
+                compare(f"jacobian on {label} vs reference", jac, ref_jac, True)
+        if ref_hess is not None:
+            hess = run("hessian", lambda: ad.hessian(f, *args, backend=backend))
+            if hess is not None:
+                compare(f"hessian on {label} vs reference", hess, ref_hess, True)
+        if "gradient_and_hvp" in chosen:
+            both = run("gradient_and_hvp", lambda: ad.gradient_and_hvp(f, *args, tangent=tangents[0], backend=backend))
+            if both is not None:
+                compare(f"gradient_and_hvp on {label} vs gradient and hvp", both, (ad.gradient(f, *args, backend=backend), ad.hvp(f, *args, tangent=tangents[0], backend=backend)), False)
+    if report.failed:
+        raise AssertionError(f"activity.testing.check: {len(report.failed)} check(s) failed\n{report}")
+    return report
+
+
+def _call(f: Callable, values: tuple) -> Any:
+    return f(*values)
+
+
+def _like(tree: Any, rng: np.random.Generator, ones: bool = False) -> Any:
+    """Seeded normal values (or ones) with the structure, framework and dtype of ``tree``'s arrays."""
+    leaves, spec = flatten(tree)
+    out = []
+    for leaf in leaves:
+        if not arrays.is_array(leaf) or arrays.dtype_kind(leaf) != "f":
+            out.append(None if leaf is None else leaf)
+            continue
+        host = np.ones(arrays.shape(leaf)) if ones else rng.standard_normal(arrays.shape(leaf))
+        out.append(_as_like(host, leaf))
+    return unflatten(spec, out)
+
+
+def _as_like(host: np.ndarray, leaf: Any) -> Any:
+    converted = arrays.to_framework(host, arrays.framework(leaf))
+    if arrays.is_torch(leaf):
+        return converted.to(dtype=leaf.dtype, device=leaf.device)
+    return converted.astype(leaf.dtype)
+
+
+def _total(tree: Any) -> int:
+    return sum(arrays.size(leaf) for leaf in flatten(tree)[0] if arrays.is_array(leaf))
+
+
+def _dot(a: Any, b: Any) -> float:
+    """The float64 inner product of two trees of the same structure (None leaves skipped)."""
+    total = 0.0
+    for x, y in zip(flatten(a)[0], flatten(b)[0]):
+        if arrays.is_array(x) and arrays.is_array(y):
+            total += float(np.sum(to_float64(x) * to_float64(y)))
+    return np.float64(total)
+
+
+__all__ = ["check", "CheckReport"]
