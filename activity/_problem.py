@@ -75,7 +75,7 @@ def array_meta(leaf: Any) -> tuple:
 
 def _describe(meta: tuple) -> str:
     if meta[0] == "static":
-        return f"the {type(meta[1]).__name__} {meta[1]!r:.60}"
+        return f"the value {meta[1]!r:.60}"  # repr tells 2.0 from 2 and "2", which differ here
     if meta[0] == "placeholder":
         return f"a placeholder ({meta[1]} of shape {meta[2]} and dtype {meta[3]})"
     if meta[0] == "module":
@@ -366,6 +366,10 @@ class Problem:
             return ys, aux_dynamic
 
         F.op_name = op_name  # type: ignore[attr-defined]  # for a backend's messages
+        # For a backend that compiles F once per problem and calls it with each call's context.
+        F.problem, F.ctx, F.traced = self, ctx, traced  # type: ignore[attr-defined]
+        F.remake = lambda ctx_, traced_: self.function(f, ctx_, traced_, has_aux=has_aux, scalar=scalar)  # type: ignore[attr-defined]
+        F.key = (f, has_aux, scalar)  # type: ignore[attr-defined]
         return F
 
     def call(self, f: Callable, values: Sequence[Any]) -> Any:

@@ -15,13 +15,17 @@ from activity.backends._finite_differences import ReferencePrecisionWarning
 FD = ad.AutoFiniteDifferences()
 
 
+def host(a):
+    return a.detach().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
 def test_every_evaluation_of_f_gets_its_own_copies(framework):
     xp = np if framework == "numpy" else torch
     v, c = xp.asarray([1.0, 2.0, 4.0]), xp.asarray([1.0, 1.0, 1.0])
     if framework == "torch":
         v, c = v.double(), c.double()
-    v0, c0 = np.array(v).copy(), np.array(c).copy()
+    v0, c0 = host(v).copy(), host(c).copy()
 
     def f(v, c):
         v -= v.mean()  # numpy-style in-place updates of both inputs
@@ -29,10 +33,10 @@ def test_every_evaluation_of_f_gets_its_own_copies(framework):
         return (v**2 * c).sum()
 
     g = ad.gradient(f, Active(v), Constant(c), backend=FD)
-    np.testing.assert_array_equal(np.array(v), v0)  # the user's values are untouched
-    np.testing.assert_array_equal(np.array(c), c0)
+    np.testing.assert_array_equal(host(v), v0)  # the user's values are untouched
+    np.testing.assert_array_equal(host(c), c0)
     # f = sum((v - mean v)^2 * 2 c0): d/dv = 4 c0 (v - mean v) (the mean's terms cancel for equal c0)
-    np.testing.assert_allclose(np.array(g), 4 * (v0 - v0.mean()), rtol=1e-8)
+    np.testing.assert_allclose(host(g), 4 * (v0 - v0.mean()), rtol=1e-8)
 
 
 def test_a_step_outside_fs_domain_that_raises_restarts_smaller():
@@ -86,3 +90,22 @@ def test_a_cache_is_fresh_for_every_evaluation():
 
     g = ad.gradient(f, Active(np.array([1.0, 2.0])), Cache(np.zeros(2)), backend=FD)
     np.testing.assert_allclose(g, [2.0, 4.0], rtol=1e-8)
+
+
+def test_a_prepared_reference_on_jax_compiles_f_once():
+    import jax
+    import jax.numpy as jnp
+
+    traces = []
+
+    def f(w, x):
+        traces.append(1)  # runs when JAX traces f, not when the compiled code runs
+        return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+    w, x = jnp.ones(3), jnp.ones((4, 3))
+    prepared = ad.prepare(ad.gradient, f, Active(w), Constant(x), backend=FD)
+    expected = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))
+    for scale in (1.0, 0.5, 0.25):
+        got = prepared(w, x * scale)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected(w, x * scale)), rtol=1e-5)
+    assert len(traces) == 1  # one trace, then the compiled evaluation for every step of every call

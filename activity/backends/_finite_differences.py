@@ -12,6 +12,7 @@ import contextlib
 import math
 import sys
 import warnings
+import weakref
 from typing import Any, Callable
 
 import attrs
@@ -157,16 +158,18 @@ class AutoFiniteDifferences(Backend):
         # Hundreds of evaluations of one function: compile it once (unless it cannot be traced),
         # and do the difference arithmetic in numpy, where small operations are cheap.
         jax = sys.modules["jax"]
-        jitted = jax.jit(F)
+        compiled = _compiled_for(F)
         state = {"traceable": True}
 
         def evaluate(xs_: Flat) -> tuple[Flat, Any]:
             ys = None
             if state["traceable"]:
                 try:
-                    ys, aux = jitted(xs_)
-                except jax.errors.JAXTypeError:
+                    ys, aux = compiled.jitted(xs_, F.ctx)
+                except (jax.errors.JAXTypeError, TypeError):
                     state["traceable"] = False
+                else:
+                    F.traced.out_spec, F.traced.aux_static = compiled.traced.out_spec, compiled.traced.aux_static
             if ys is None:
                 ys, aux = F(tuple(jax.numpy.asarray(x) for x in xs_))
             return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
@@ -277,6 +280,39 @@ class AutoFiniteDifferences(Backend):
 
         _, _, columns = self.jvp(F, xs, input_basis(xs, self), True)
         return arrays.moveaxes_front_to_back(arrays.concat_flat(list(columns)), 1)
+
+
+@attrs.define
+class _Compiled:
+    """``F`` of one problem, jitted once as a function of its leaves and its context, and what
+    its trace revealed (the output structure), for the calls that hit JAX's cache."""
+
+    jitted: Any = None
+    traced: Any = None
+
+
+_COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _compiled_for(F: Any) -> _Compiled:
+    """The compiled ``F`` of its problem: made on the first call, reused by every later call of a
+    prepared operator (an unprepared call has a problem of its own, and compiles once)."""
+    from .._problem import Traced
+
+    by_key = _COMPILED.setdefault(F.problem, {})
+    entry = by_key.get(F.key)
+    if entry is None:
+        entry = _Compiled()
+
+        def whole(xs: Flat, ctx: Flat) -> tuple[Flat, Any]:
+            traced = Traced()
+            ys, aux = F.remake(ctx, traced)(xs)
+            entry.traced = traced
+            return ys, aux
+
+        entry.jitted = sys.modules["jax"].jit(whole)
+        by_key[F.key] = entry
+    return entry
 
 
 def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
