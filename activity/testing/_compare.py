@@ -42,8 +42,19 @@ def _worst(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -
     where = f" at index {tuple(int(i) for i in index)}" if index else ""
     return (
         f"max abs error {max_abs:.3g}, max rel error {max_rel:.3g}; "
-        f"worst{where}: got {actual[index]!r}, expected {expected[index]!r}"
+        f"worst{where}: got {', expected '.join(_plain(actual[index], expected[index]))}"
     )
+
+
+def _plain(got: Any, expected: Any) -> tuple[str, str]:
+    """Two numbers printed plainly (``4.04``, not ``np.float64(4.039999999999967)``), with just
+    enough significant digits to tell them apart."""
+    pair = [complex(v) if np.iscomplexobj(v) else float(v) for v in (got, expected)]
+    for digits in (6, 9, 12, 17):
+        shown = tuple(f"{v:.{digits}g}" for v in pair)
+        if shown[0] != shown[1]:
+            return shown
+    return shown
 
 
 def assert_tree_allclose(

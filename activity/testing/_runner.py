@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -16,34 +18,193 @@ DEFAULT_RTOL = 1e-4
 DEFAULT_ATOL = 1e-5
 
 PASS, FAIL, UNSUPPORTED = "pass", "FAIL", "unsupported"
+NOT_APPLICABLE = "n/a"  # the scenario is in another framework than the backend's: not counted
+SKIPPED = "skipped"  # listed in skip=: not run
+BROKEN = "broken"  # listed in broken= and failed, as expected
+UNEXPECTED_PASS = "UNEXPECTED PASS"  # listed in broken= but passed: fails the run
+FAILING = (FAIL, UNEXPECTED_PASS)
+CHECKED = (PASS, FAIL, BROKEN, UNEXPECTED_PASS)  # the outcomes of cases that really ran
+
+
+class UsageError(ValueError):
+    """The testing kit was used in a way that would check nothing, or not what was meant."""
 
 
 @attrs.frozen
 class Outcome:
-    """One backend on one scenario (unprepared and prepared)."""
+    """One backend on one scenario (unprepared and prepared).
+
+    ``status`` is ``"pass"``, ``"FAIL"``, ``"unsupported"``, ``"n/a"`` (the
+    scenario is in another framework), ``"skipped"`` (listed in ``skip=``),
+    ``"broken"`` (listed in ``broken=`` and failed) or ``"UNEXPECTED PASS"``
+    (listed in ``broken=`` but passed). ``message`` is what went wrong,
+    ``reason`` the manifest's reason.
+    """
 
     backend: str
     scenario: str
     status: str
     message: str = ""
     seconds: float = 0.0
+    reason: str = ""
+
+
+def _default_of(field: Any) -> Any:
+    default = field.default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return attrs.NOTHING if default.takes_self else default.factory()
+    return default
 
 
 def backend_name(backend: Any) -> str:
-    """The class name for a backend with default settings, its repr otherwise."""
-    try:
-        default = backend == type(backend)()
-    except TypeError:  # needs arguments (SecondOrder)
-        default = False
-    return type(backend).__name__ if default else repr(backend)
+    """The class name, with the settings that differ from the defaults: ``AutoFiniteDifferences(step=0.05)``.
+
+    Backends inside a backend are named the same way: ``SecondOrder(AutoTorch, AutoJAX)``.
+    """
+    cls = type(backend)
+    if not attrs.has(cls):
+        try:
+            default = bool(backend == cls())
+        except Exception:  # noqa: BLE001 - needs arguments
+            default = False
+        return cls.__name__ if default else repr(backend)
+    parts = []
+    for field in attrs.fields(cls):
+        if not field.init:
+            continue
+        value, default = getattr(backend, field.name), _default_of(field)
+        if default is not attrs.NOTHING:
+            try:
+                if bool(value == default):
+                    continue
+            except Exception:  # noqa: BLE001 - not comparable: shown
+                pass
+        shown = backend_name(value) if hasattr(value, "supports") and hasattr(value, "framework") else repr(value)
+        parts.append(shown if default is attrs.NOTHING else f"{field.name}={shown}")
+    return f"{cls.__name__}({', '.join(parts)})" if parts else cls.__name__
+
+
+def safe_id(text: str) -> str:
+    """``text`` as a pytest id: no spaces, ``=``, quotes or brackets (``AutoFiniteDifferences-step_0.05``)."""
+    text = re.sub(r"\s*[(\[{,]\s*", "-", text)
+    text = re.sub(r"\s*=\s*", "_", text)
+    text = re.sub(r"[^\w.+\-]+", "_", text)
+    text = re.sub(r"[-_]*-[-_]*", "-", re.sub(r"_+", "_", text))
+    return text.strip("-_") or "case"
+
+
+def applies(backend: Any, scenario: Scenario) -> bool:
+    """Whether ``scenario`` is in the framework ``backend`` works on (False: "n/a", not "unsupported")."""
+    framework = backend.framework
+    return framework is None or framework == scenario.framework
+
+
+def supported(backend: Any, scenario: Scenario) -> bool:
+    """Whether ``backend`` declares support for ``scenario``'s operator on its argument kinds."""
+    return all(backend.supports(scenario.op, kind, mode) for kind in scenario.kinds for mode in ("unprepared", "prepared"))
 
 
 def runs_on(backend: Any, scenario: Scenario) -> bool:
     """Whether ``backend`` declares support for ``scenario`` (operator, kinds, framework)."""
-    framework = backend.framework
-    if framework is not None and framework != scenario.framework:
-        return False
-    return all(backend.supports(scenario.op, kind, mode) for kind in scenario.kinds for mode in ("unprepared", "prepared"))
+    return applies(backend, scenario) and supported(backend, scenario)
+
+
+def status_before_running(backend: Any, scenario: Scenario) -> str | None:
+    """``"n/a"`` or ``"unsupported"`` when the case is not run at all, None when it is."""
+    if not applies(backend, scenario):
+        return NOT_APPLICABLE
+    if not supported(backend, scenario):
+        return UNSUPPORTED
+    return None
+
+
+# -- the expected-failure manifest ------------------------------------------------------------------
+
+
+def _key_text(key: Any) -> str:
+    return repr(key)
+
+
+class Manifest:
+    """``broken=`` and ``skip=``: reasons keyed by ``(backend, scenario)``, a backend or a scenario name.
+
+    A backend is named as the report names it (`backend_name`) or by its class
+    name; a string key is a backend name or a scenario name. Every key must
+    match at least one case that runs (a stale manifest is an error), and the
+    most specific key wins: ``(backend, scenario)`` over a name alone.
+    """
+
+    def __init__(self, backends: Sequence[Any], scenarios: Sequence[Scenario], *, broken: Any = None, skip: Any = None):
+        self.entries = {"broken": self._validated("broken", broken), "skip": self._validated("skip", skip)}
+        self.names = {id(b): {backend_name(b), type(b).__name__} for b in backends}
+        if not (self.entries["broken"] or self.entries["skip"]):
+            return
+        everything = [(b, s) for s in scenarios for b in backends]
+        runnable = [(b, s) for b, s in everything if status_before_running(b, s) is None]
+        for which, entries in self.entries.items():
+            for key in entries:
+                if not any(self._matches(key, b, s) for b, s in runnable):
+                    raise UsageError(self._stale(which, key, backends, scenarios, everything))
+
+    @staticmethod
+    def _validated(which: str, entries: Any) -> dict:
+        if entries is None:
+            return {}
+        if not isinstance(entries, Mapping):
+            raise UsageError(
+                f"{which}= must be a mapping from (backend, scenario), a backend name or a scenario name to a "
+                f"reason, e.g. {{('AutoTorch', 'gradient-lstm'): 'issue #12'}}; got {type(entries).__name__}."
+            )
+        for key, reason in entries.items():
+            pair = isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)
+            if not (pair or isinstance(key, str)):
+                raise UsageError(
+                    f"{which}= key {_key_text(key)}: a key is a (backend name, scenario name) pair, a backend name "
+                    f"or a scenario name, e.g. ('AutoTorch', 'gradient-lstm') or 'AutoJAX'."
+                )
+            if not isinstance(reason, str) or not reason.strip():
+                raise UsageError(f"{which}= key {_key_text(key)}: give the reason as a non-empty string, got {reason!r}.")
+        return dict(entries)
+
+    def _matches(self, key: Any, backend: Any, scenario: Scenario) -> bool:
+        names = self.names[id(backend)]
+        if isinstance(key, tuple):
+            return key[0] in names and key[1] == scenario.name
+        return key in names or key == scenario.name
+
+    def reason(self, which: str, backend: Any, scenario: Scenario) -> str | None:
+        """The reason ``which`` ("broken" or "skip") gives for this case, or None."""
+        found = [key for key in self.entries[which] if self._matches(key, backend, scenario)]
+        if not found:
+            return None
+        found.sort(key=lambda key: not isinstance(key, tuple))  # (backend, scenario) first
+        return self.entries[which][found[0]]
+
+    def _stale(self, which: str, key: Any, backends: Sequence[Any], scenarios: Sequence[Scenario], everything: list) -> str:
+        backend_names = sorted({n for b in backends for n in self.names[id(b)]})
+        scenario_names = [s.name for s in scenarios]
+        text = f"{which}= key {_key_text(key)} matches no case that runs"
+        matched = [(b, s) for b, s in everything if self._matches(key, b, s)]
+        if matched:
+            statuses = sorted({status_before_running(b, s) for b, s in matched})
+            text += f" (it matches only cases that are {' or '.join(statuses)})"
+        else:
+            parts = list(key) if isinstance(key, tuple) else [key]
+            hints = []
+            for part in parts:
+                close = difflib.get_close_matches(part, backend_names + scenario_names, n=3, cutoff=0.6)
+                if part not in backend_names and part not in scenario_names:
+                    hints.append(f"{part!r} is neither a backend nor a scenario" + (f" (did you mean {close}?)" if close else ""))
+            if hints:
+                text += ": " + "; ".join(hints)
+        shown = ", ".join(scenario_names[:6]) + (", ..." if len(scenario_names) > 6 else "")
+        return (
+            f"{text}. Backends: {', '.join(backend_names)}; scenarios: {shown}. "
+            f"Remove the key from {which}= or correct it: a stale manifest must not pass silently."
+        )
+
+
+# -- running ----------------------------------------------------------------------------------------
 
 
 def check_scenario(
@@ -63,6 +224,7 @@ def check_scenario(
     >>> s = Scenario("gradient", lambda x: (x**3).sum(), [ad.Active(np.ones(2))], result=np.array([3.0, 3.0]))
     >>> check_scenario(ad.AutoFiniteDifferences(), s)
     """
+    __tracebackhide__ = True  # pytest shows the user's line and this message, not the kit's frames
     rtol = scenario.rtol if scenario.rtol is not None else (DEFAULT_RTOL if rtol is None else rtol)
     atol = scenario.atol if scenario.atol is not None else (DEFAULT_ATOL if atol is None else atol)
     try:
@@ -86,29 +248,57 @@ def check_scenario(
             problems.append(f"{label}: wrong result: {error}")
         problems += [f"{label}: {change}" for change in snapshot.changes()]
     if problems:
-        raise AssertionError(f"{backend_name(backend)} on {scenario.name}:\n  " + "\n  ".join(problems))
+        raise AssertionError(f"{backend_name(backend)} on {scenario.name}:\n  " + "\n  ".join(problems)) from None
 
 
 class Report:
-    """The outcomes of `test_differentiation`; ``str(report)`` is a scenario x backend table."""
+    """The outcomes of `test_differentiation`; ``str(report)`` is a scenario x backend table.
+
+    Cells: ``pass``, ``FAIL``, ``unsupported``, ``n/a`` (another framework's
+    scenario: not counted), ``skipped``, ``broken`` (an expected failure) and
+    ``UNEXPECTED PASS``; ``-`` where the pair was not run at all.
+    """
 
     def __init__(self, backends: Sequence[str], scenarios: Sequence[str], outcomes: list[Outcome]):
         self.backends, self.scenarios, self.outcomes = list(backends), list(scenarios), outcomes
 
     @property
     def failures(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.status == FAIL]
+        """Failed cases, and broken ones that passed."""
+        return [o for o in self.outcomes if o.status in FAILING]
+
+    @property
+    def checked(self) -> int:
+        """How many cases really ran (passed, failed or broken): zero means the run checked nothing."""
+        return sum(o.status in CHECKED for o in self.outcomes)
 
     def counts(self) -> dict[str, int]:
+        """``{"pass": .., "FAIL": .., "unsupported": ..}``, plus ``"broken"``, ``"skipped"`` and
+        ``"UNEXPECTED PASS"`` where there are any; "n/a" is not counted."""
         counts = {PASS: 0, FAIL: 0, UNSUPPORTED: 0}
         for o in self.outcomes:
-            counts[o.status] += 1
+            if o.status != NOT_APPLICABLE:
+                counts[o.status] = counts.get(o.status, 0) + 1
         return counts
+
+    def summary(self) -> str:
+        counts = self.counts()
+        text = f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported"
+        for status, label in ((BROKEN, "broken (expected)"), (SKIPPED, "skipped"), (UNEXPECTED_PASS, "unexpected pass(es)")):
+            if counts.get(status):
+                text += f", {counts[status]} {label}"
+        return text
+
+    def notes(self) -> list[str]:
+        """One line per case of the manifest: skipped, broken (expected) or an unexpected pass, with its reason."""
+        labels = {SKIPPED: "skipped", BROKEN: "broken (expected)", UNEXPECTED_PASS: "UNEXPECTED PASS"}
+        return [f"{labels[o.status]}: {o.backend} on {o.scenario}: {o.reason}" for o in self.outcomes if o.status in labels]
 
     def table(self) -> str:
         cell = {(o.scenario, o.backend): o.status for o in self.outcomes}
         width = max([len("scenario")] + [len(s) for s in self.scenarios])
-        columns = [max(len(b), len(UNSUPPORTED)) for b in self.backends]
+        longest = max([len(o.status) for o in self.outcomes] + [len(UNSUPPORTED)])
+        columns = [max(len(b), longest) for b in self.backends]
         lines = [
             "| " + "scenario".ljust(width) + " | " + " | ".join(b.ljust(c) for b, c in zip(self.backends, columns)) + " |",
             "| " + "-" * width + " | " + " | ".join("-" * c for c in columns) + " |",
@@ -116,12 +306,18 @@ class Report:
         for s in self.scenarios:
             cells = [cell.get((s, b), "-").ljust(c) for b, c in zip(self.backends, columns)]  # - : not run
             lines.append("| " + s.ljust(width) + " | " + " | ".join(cells) + " |")
-        counts = self.counts()
-        lines.append(f"\n{counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported")
+        notes = self.notes()
+        if notes:
+            lines += [""] + notes
+        lines.append(f"\n{self.summary()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _as_list(backends: Any) -> list:
+    return list(backends) if isinstance(backends, (list, tuple)) else [backends]
 
 
 def test_differentiation(
@@ -132,18 +328,31 @@ def test_differentiation(
     prepared: bool = True,
     rtol: float | None = None,
     atol: float | None = None,
+    broken: Mapping[Any, str] | None = None,
+    skip: Mapping[Any, str] | None = None,
     progress: Callable[[Outcome], None] | None = None,
     raise_on_failure: bool = True,
 ) -> Report:
     """Run every backend on every scenario it supports, unprepared and prepared.
 
-    Results are compared with each scenario's expected result (from
-    ``reference``, finite differences by default); every call must leave its
-    arguments and the global RNGs as they were. Combinations a backend does not
-    support are listed as unsupported, not run. All failures are collected into
-    one ``AssertionError`` (its message includes the table); otherwise, or with
-    ``raise_on_failure=False``, the `Report` is returned. ``progress`` is called
-    with each `Outcome` as it is decided.
+    Results are compared with each scenario's expected result (``result=``,
+    or from ``reference``, finite differences by default); every call must
+    leave its arguments and the global RNGs as they were. Combinations a
+    backend does not support are listed as unsupported, another framework's
+    scenarios as n/a; neither is run.
+
+    ``broken=`` and ``skip=`` are the expected-failure manifest: mappings from
+    a key to a reason, the key a ``(backend, scenario)`` pair, a backend name
+    (as the report names it, or its class name) or a scenario name. A skipped
+    case is not run; a broken case that fails is reported ``broken`` and does
+    not fail the run; a broken case that passes is an ``UNEXPECTED PASS`` and
+    does. A key that matches no case that runs raises `UsageError` (a
+    ``ValueError``) before anything runs.
+
+    All failures are collected into one ``AssertionError`` (its message
+    includes the table), which is also raised when no case ran at all;
+    otherwise, or with ``raise_on_failure=False``, the `Report` is returned.
+    ``progress`` is called with each `Outcome` as it is decided.
 
     >>> import numpy as np
     >>> import activity as ad
@@ -152,32 +361,69 @@ def test_differentiation(
     >>> report.counts()
     {'pass': 3, 'FAIL': 0, 'unsupported': 0}
     """
-    backends = list(backends) if isinstance(backends, (list, tuple)) else [backends]
+    __tracebackhide__ = True
+    backends = _as_list(backends)
     scenarios = list(scenarios)
+    manifest = Manifest(backends, scenarios, broken=broken, skip=skip)
+    names = [backend_name(b) for b in backends]
     outcomes = []
     for scenario in scenarios:
-        for backend in backends:
-            name = backend_name(backend)
+        for backend, name in zip(backends, names):
             start = time.perf_counter()
-            if not runs_on(backend, scenario):
-                outcome = Outcome(name, scenario.name, UNSUPPORTED)
-            else:
-                try:
-                    check_scenario(backend, scenario, reference=reference, prepared=prepared, rtol=rtol, atol=atol)
-                    outcome = Outcome(name, scenario.name, PASS)
-                except UnsupportedError as error:
-                    outcome = Outcome(name, scenario.name, UNSUPPORTED, str(error))
-                except AssertionError as error:
-                    outcome = Outcome(name, scenario.name, FAIL, str(error))
+            outcome = _run_case(backend, name, scenario, manifest, reference=reference, prepared=prepared, rtol=rtol, atol=atol)
             outcome = attrs.evolve(outcome, seconds=time.perf_counter() - start)
             outcomes.append(outcome)
             if progress is not None:
                 progress(outcome)
-    report = Report([backend_name(b) for b in backends], [s.name for s in scenarios], outcomes)
-    if report.failures and raise_on_failure:
+    report = Report(names, [s.name for s in scenarios], outcomes)
+    if raise_on_failure and report.failures:
         details = "\n\n".join(o.message for o in report.failures)
         raise AssertionError(f"{len(report.failures)} failure(s):\n\n{details}\n\n{report.table()}")
+    if raise_on_failure and not report.checked:
+        raise AssertionError(nothing_checked(report, backends, scenarios))
     return report
 
 
 test_differentiation.__test__ = False  # type: ignore[attr-defined]
+
+
+def _run_case(backend: Any, name: str, scenario: Scenario, manifest: Manifest, **options: Any) -> Outcome:
+    before = status_before_running(backend, scenario)
+    if before is not None:
+        return Outcome(name, scenario.name, before)
+    skip_reason = manifest.reason("skip", backend, scenario)
+    if skip_reason is not None:
+        return Outcome(name, scenario.name, SKIPPED, reason=skip_reason)
+    broken_reason = manifest.reason("broken", backend, scenario)
+    try:
+        check_scenario(backend, scenario, **options)
+    except UnsupportedError as error:
+        return Outcome(name, scenario.name, UNSUPPORTED, str(error))
+    except AssertionError as error:
+        if broken_reason is not None:
+            return Outcome(name, scenario.name, BROKEN, str(error), reason=broken_reason)
+        return Outcome(name, scenario.name, FAIL, str(error))
+    if broken_reason is not None:
+        message = (
+            f"{name} on {scenario.name}: UNEXPECTED PASS: broken= lists it as broken ({broken_reason}), but it "
+            f"passed; remove it from broken= (it is fixed)."
+        )
+        return Outcome(name, scenario.name, UNEXPECTED_PASS, message, reason=broken_reason)
+    return Outcome(name, scenario.name, PASS)
+
+
+def nothing_checked(report: Report, backends: Sequence[Any], scenarios: Sequence[Scenario]) -> str:
+    """Why a run checked nothing, and what to do."""
+    if not backends or not scenarios:
+        return f"test_differentiation checked nothing: it was given {len(backends)} backend(s) and {len(scenarios)} scenario(s)."
+    counts: dict[str, int] = {}
+    for o in report.outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    why = ", ".join(f"{n} {status}" for status, n in counts.items())
+    frameworks = sorted({s.framework for s in scenarios})
+    takes = ", ".join(f"{backend_name(b)} takes {b.framework or 'any framework'}" for b in backends)
+    return (
+        f"test_differentiation checked nothing: no case ran ({why}). The scenarios are in {', '.join(frameworks)}; "
+        f"{takes}. Give each backend scenarios of its framework (e.g. default_scenarios('torch') for AutoTorch) "
+        f"and operators it supports, or shorten skip=."
+    )
