@@ -109,3 +109,50 @@ def test_a_prepared_reference_on_jax_compiles_f_once():
         got = prepared(w, x * scale)
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected(w, x * scale)), rtol=1e-5)
     assert len(traces) == 1  # one trace, then the compiled evaluation for every step of every call
+
+
+def test_a_float32_loss_inside_a_float64_reference_is_reported_not_blamed():
+    """The Hugging Face case: a causal-LM loss calls logits.float(), so the "float64" reference
+    computes in float32; the kit says the reference cannot decide instead of failing AutoTorch."""
+    import transformers
+
+    from activity.testing import Scenario, test_differentiation
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=32, n_positions=8, bos_token_id=0, eos_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+
+    def loss(m, ids):
+        logits = m(input_ids=ids).logits.float()  # what HF's loss functions do
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), ids.reshape(-1))
+
+    scenario = Scenario("gradient", loss, (Active(model), Constant(ids)), name="gpt2_float_loss")
+    report = test_differentiation([ad.AutoTorch()], [scenario], prepared=False, raise_on_failure=False)
+    (outcome,) = report.outcomes
+    assert outcome.status == "reference unreliable", outcome  # without the check: FAIL on every leaf
+    assert "lower precision than the float64 reference" in outcome.message
+    assert report.counts()["FAIL"] == 0
+
+
+def test_a_wrong_backend_is_still_failed_where_the_reference_is_sound():
+    from activity.testing import Scenario, test_differentiation
+
+    class Wrong(ad.AutoTorch):
+        def finalize(self, result, problem):
+            return super().finalize(result, problem) * 1.01
+
+    scenario = Scenario("gradient", lambda x: (x**3).sum(), (Active(torch.ones(3, dtype=torch.float64)),), name="cube")
+    report = test_differentiation([Wrong()], [scenario], prepared=False, raise_on_failure=False)
+    assert report.outcomes[0].status == "FAIL"
+
+
+def test_a_reference_that_is_not_finite_is_an_error():
+    from activity.testing import Scenario, test_differentiation
+
+    scenario = Scenario("gradient", lambda x: np.log(x).sum(), (Active(np.zeros(2)),), name="log_at_0")
+    report = test_differentiation([ad.AutoFiniteDifferences(step=0.05)], [scenario], prepared=False, raise_on_failure=False)
+    (outcome,) = report.outcomes
+    assert outcome.status == "FAIL" and "not finite" in outcome.message and "expected inf" not in outcome.message

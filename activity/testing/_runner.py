@@ -22,12 +22,17 @@ NOT_APPLICABLE = "n/a"  # the scenario is in another framework than the backend'
 SKIPPED = "skipped"  # listed in skip=: not run
 BROKEN = "broken"  # listed in broken= and failed, as expected
 UNEXPECTED_PASS = "UNEXPECTED PASS"  # listed in broken= but passed: fails the run
+UNRELIABLE = "reference unreliable"  # the reference cannot decide: not counted as the backend's failure
 FAILING = (FAIL, UNEXPECTED_PASS)
-CHECKED = (PASS, FAIL, BROKEN, UNEXPECTED_PASS)  # the outcomes of cases that really ran
+CHECKED = (PASS, FAIL, BROKEN, UNEXPECTED_PASS, UNRELIABLE)  # the outcomes of cases that really ran
 
 
 class UsageError(ValueError):
     """The testing kit was used in a way that would check nothing, or not what was meant."""
+
+
+class ReferenceUnreliable(AssertionError):
+    """A backend disagreed with a reference that says it cannot be trusted for this scenario."""
 
 
 @attrs.frozen
@@ -248,7 +253,11 @@ def check_scenario(
             problems.append(f"{label}: wrong result: {error}")
         problems += [f"{label}: {change}" for change in snapshot.changes()]
     if problems:
-        raise AssertionError(f"{backend_name(backend)} on {scenario.name}:\n  " + "\n  ".join(problems)) from None
+        message = f"{backend_name(backend)} on {scenario.name}:\n  " + "\n  ".join(problems)
+        cause = scenario.reference_unreliable(reference)
+        if cause is not None and all("wrong result" in p for p in problems):
+            raise ReferenceUnreliable(f"reference unreliable on {scenario.name}: {cause}.\n{message}") from None
+        raise AssertionError(message) from None
 
 
 class Report:
@@ -284,7 +293,12 @@ class Report:
     def summary(self) -> str:
         counts = self.counts()
         text = f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[UNSUPPORTED]} unsupported"
-        for status, label in ((BROKEN, "broken (expected)"), (SKIPPED, "skipped"), (UNEXPECTED_PASS, "unexpected pass(es)")):
+        for status, label in (
+            (BROKEN, "broken (expected)"),
+            (SKIPPED, "skipped"),
+            (UNEXPECTED_PASS, "unexpected pass(es)"),
+            (UNRELIABLE, "not decided (reference unreliable)"),
+        ):
             if counts.get(status):
                 text += f", {counts[status]} {label}"
         return text
@@ -399,6 +413,8 @@ def _run_case(backend: Any, name: str, scenario: Scenario, manifest: Manifest, *
         check_scenario(backend, scenario, **options)
     except UnsupportedError as error:
         return Outcome(name, scenario.name, UNSUPPORTED, str(error))
+    except ReferenceUnreliable as error:
+        return Outcome(name, scenario.name, UNRELIABLE, str(error))
     except AssertionError as error:
         if broken_reason is not None:
             return Outcome(name, scenario.name, BROKEN, str(error), reason=broken_reason)

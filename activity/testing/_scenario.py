@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import attrs
+import numpy as np
 
 from .. import _arrays as arrays
 from .._annotations import Annotation
 from .._operators._common import operator_of
-from .._tree import flatten
+from .._tree import flatten, leaf_paths
+
+
+def _refuse_non_finite(result: Any, name: str | None, reference: Any) -> None:
+    """A reference that is not finite checks nothing: an error, never "expected inf"."""
+    leaves = flatten(result)[0]
+    paths = None
+    for index, leaf in enumerate(leaves):
+        if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f" and not np.all(np.isfinite(_host(leaf))):
+            paths = paths or leaf_paths(result)
+            raise ValueError(
+                f"the reference {reference!r} gave a value that is not finite at {paths[index] or 'the root'} of "
+                f"{name}: f is not differentiable there (or overflows). Choose other inputs, or give the "
+                f"scenario an expected result=."
+            )
+
+
+def _host(leaf: Any) -> Any:
+    return leaf.detach().cpu().numpy() if arrays.is_torch(leaf) else np.asarray(leaf)
 
 
 def _operator_function(op: Any) -> Callable:
@@ -51,6 +71,7 @@ class Scenario:
     # (scenario, function): the expected result is function(scenario's expected result); set by transforms
     derived_from: tuple | None = attrs.field(default=None, kw_only=True)
     _expected: dict = attrs.field(factory=dict, init=False)
+    _unreliable: dict = attrs.field(factory=dict, init=False)  # reference repr -> why its result is unreliable
 
     def __attrs_post_init__(self) -> None:
         for position, arg in enumerate(self.args):
@@ -122,8 +143,33 @@ class Scenario:
         reference = reference or activity.AutoFiniteDifferences()
         key = repr(reference)
         if key not in self._expected:
-            self._expected[key] = self.run(reference)
+            from ..backends._finite_differences import ReferencePrecisionWarning
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ReferencePrecisionWarning)
+                result = self.run(reference)
+            for warning in caught:
+                if issubclass(warning.category, ReferencePrecisionWarning):
+                    self._unreliable[key] = (
+                        "f computes in lower precision than the float64 reference (a .float() call, a float32 "
+                        "parameter or constant inside f), so the finite differences carry its rounding error; "
+                        "keep f in float64 for the reference, or pass reference=<an AD backend>"
+                    )
+                else:
+                    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            _refuse_non_finite(result, self.name, reference)
+            self._expected[key] = result
         return self._expected[key]
+
+    def reference_unreliable(self, reference: Any = None) -> str | None:
+        """Why the reference's result for this scenario cannot be trusted, or None (see `expected`)."""
+        if self.result is not None:
+            return None
+        if self.derived_from is not None:
+            return self.derived_from[0].reference_unreliable(reference)
+        import activity
+
+        return self._unreliable.get(repr(reference or activity.AutoFiniteDifferences()))
 
     def derive(self, transform: Callable[[Any], Any] = lambda result: result, **changes: Any) -> "Scenario":
         """A new scenario whose expected result is ``transform`` of this one's (no new reference run)."""
