@@ -156,3 +156,22 @@ def test_a_reference_that_is_not_finite_is_an_error():
     report = test_differentiation([ad.AutoFiniteDifferences(step=0.05)], [scenario], prepared=False, raise_on_failure=False)
     (outcome,) = report.outcomes
     assert outcome.status == "FAIL" and "not finite" in outcome.message and "expected inf" not in outcome.message
+
+
+def test_spectral_norm_in_train_mode_is_reference_unreliable_and_batchnorm_is_not():
+    from activity.testing import Scenario, test_differentiation
+
+    def scenario(model, name):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2))
+        return Scenario("gradient", lambda m, x: m(x).pow(2).sum(), (Active(model), Constant(x)), name=name)
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        spectral = torch.nn.utils.spectral_norm(torch.nn.Linear(3, 3)).train()
+        batchnorm = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)).train()
+    report = test_differentiation(
+        [ad.AutoTorch()], [scenario(spectral, "spectral"), scenario(batchnorm, "batchnorm")], prepared=False, raise_on_failure=False
+    )
+    status = {o.scenario: o for o in report.outcomes}
+    assert status["spectral"].status == "reference unreliable" and "spectral_norm" in status["spectral"].message
+    assert status["batchnorm"].status == "pass"

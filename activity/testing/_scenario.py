@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import sys
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -26,6 +28,46 @@ def _refuse_non_finite(result: Any, name: str | None, reference: Any) -> None:
                 f"{name}: f is not differentiable there (or overflows). Choose other inputs, or give the "
                 f"scenario an expected result=."
             )
+
+
+def _reads_what_it_writes(scenario: "Scenario") -> str | None:
+    """Why finite differences cannot give torch's derivative of a stateful ``f``, or None.
+
+    A module whose buffers ``f`` updates and reads again (``spectral_norm``'s power
+    iteration in train mode) defines a derivative that holds that state constant;
+    finite differences differentiate through it. Two calls of ``f`` on one copy of the
+    arguments, with the same random numbers, tell: they differ only if ``f`` reads
+    what it wrote. (BatchNorm in train mode writes statistics it does not read.)
+    """
+    torch = sys.modules.get("torch")
+    values = tuple(a.value for a in scenario.args)
+    stateful = torch is not None and any(
+        isinstance(leaf, torch.nn.Module) and any(True for _ in leaf.buffers()) for leaf in flatten(values)[0]
+    )
+    if not stateful:
+        return None
+    copies = copy.deepcopy(values)
+    with torch.random.fork_rng(devices=[]):
+        start = torch.get_rng_state()
+        first = _output(scenario, copies)
+        torch.set_rng_state(start)
+        second = _output(scenario, copies)
+    from ._compare import assert_tree_allclose
+
+    try:
+        assert_tree_allclose(second, first, rtol=1e-6, atol=1e-9)
+    except AssertionError:
+        return (
+            "f updates state it reads again (module buffers such as spectral_norm's power-iteration vectors in "
+            "train mode), and torch's derivative holds that state constant, which finite differences cannot; "
+            "check the module in eval mode, or pass reference=<an AD backend>"
+        )
+    return None
+
+
+def _output(scenario: "Scenario", values: tuple) -> Any:
+    out = scenario.f(*values)
+    return out[0] if scenario.options.get("has_aux") else out
 
 
 def _host(leaf: Any) -> Any:
@@ -158,6 +200,10 @@ class Scenario:
                 else:
                     warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
             _refuse_non_finite(result, self.name, reference)
+            if key not in self._unreliable and isinstance(reference, activity.AutoFiniteDifferences):
+                cause = _reads_what_it_writes(self)
+                if cause is not None:
+                    self._unreliable[key] = cause
             self._expected[key] = result
         return self._expected[key]
 
