@@ -166,3 +166,19 @@ def to_framework(x: Any, name: str | None) -> Any:
     if name == "jax":
         return sys.modules["jax"].numpy.asarray(host)
     return host
+
+
+# Placeholders stand in for arrays when preparing: they have a shape and a dtype, no data.
+def is_jax_placeholder(x: Any) -> bool:
+    """A ``jax.ShapeDtypeStruct``."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_torch_placeholder(x: Any) -> bool:
+    """A torch tensor on the ``meta`` device."""
+    return is_torch(x) and x.is_meta
+
+
+def is_placeholder(x: Any) -> bool:
+    return is_jax_placeholder(x) or is_torch_placeholder(x)

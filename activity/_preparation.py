@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from typing import Any, Callable
 
+from . import _arrays as arrays
 from ._annotations import Annotation
 from ._errors import PreparationMismatchError
-from ._operators._common import Plan, encode_seeds, operator_of
-from ._problem import kinds_of, parse_arguments
-from ._tree import flatten
-from .backends import Backend
+from ._operators._common import Operator, Plan, encode_seeds, operator_of
+from ._problem import _describe, _same_meta, kinds_of, ordinal, parse_arguments
+from ._tree import flatten, leaf_paths
+from .backends import Backend, find_placeholder, placeholders_allowed
+from .backends._base import SignatureChanged
+
+MAX_SIGNATURES = 32
+"""How many signatures a ``strict=False`` prepared operator keeps, by default (``max_signatures=``)."""
+
+WARN_AFTER = 8
+"""A ``strict=False`` prepared operator warns (once) when calls have brought more new signatures than this."""
 
 
 class Prepared:
@@ -28,15 +38,25 @@ class Prepared:
         options: dict[str, Any],
         seed_kwargs: dict[str, Any],
         values: tuple,
+        max_signatures: int = MAX_SIGNATURES,
+        device_pending: bool = False,
     ):
-        self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs, plan.backend)), plan)]
         self._plan = plan
+        # (signature key, plan), the most recently used last; strict=False keeps `max_signatures`
+        self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs, plan.backend)), plan)]
         self._f, self._strict, self._options = f, strict, options
+        self._max_signatures = max_signatures
         self._lock = threading.Lock()
+        self._local = threading.local()  # strict=False: this thread's call, while the compiled call runs
         self.operator = plan.operator.name
         self.backend = plan.backend
-        retrace = None if strict else self._run_new_signature
-        self._compiled_call = plan.backend.compile_call(plan, values, seed_kwargs, retrace)
+        self._new_signatures = 0  # plans made after prepare, for the warning
+        self._warned = False
+        self._compiled_signatures = 1  # signatures traced into the compiled call
+        # Prepared from torch meta-device tensors: the first call that matches them fixes the
+        # devices, and the operator is prepared for it (on torch that runs nothing).
+        self._device_pending = device_pending
+        self._compiled_call = None if device_pending else self._compile(plan, values, seed_kwargs)
 
     def __repr__(self) -> str:
         return f"<prepared activity.{self.operator} on {self.backend!r}, strict={self._strict}>"
@@ -51,10 +71,18 @@ class Prepared:
                     values = values if kinds == self._plan.problem.kinds else None
                     break
             if values is not None:
+                if not self._strict:
+                    self._local.call = (values, seed_kwargs)  # for `_retrace`
                 try:
                     return compiled_call.call(*values, **seed_kwargs)
                 except compiled_call.misses:
                     pass  # not the prepared signature: the checked path says what differs, or prepares again
+                finally:
+                    if not self._strict:
+                        self._local.call = None
+        return self._checked_call(args, seed_kwargs)
+
+    def _checked_call(self, args: tuple, seed_kwargs: dict) -> Any:
         plan = self._plan
         problem = plan.problem
         if len(args) != len(problem.kinds):
@@ -63,13 +91,30 @@ class Prepared:
                 f"called with {len(args)}. Pass the same arguments in the same order."
             )
         kinds, values = kinds_of(args, problem.kinds)
+        if self._device_pending or not self._strict:
+            self._refuse_placeholders(values, seed_kwargs)
+        if self._device_pending and problem.explain_mismatch(values, kinds) is None:
+            plan = self._prepare_for_devices(kinds, values, seed_kwargs)
+            problem = plan.problem
         if not self._strict:
             plan = self._plan_for(kinds, values, seed_kwargs)
+            if kinds == self._plan.problem.kinds:
+                compiled = self._recompile_if_full(plan, values, seed_kwargs)
+                if compiled is not None:
+                    try:
+                        return compiled.call(*values, **seed_kwargs)
+                    except compiled.misses:
+                        pass
             return plan.run(values, encode_seeds(plan.operator, plan.problem, seed_kwargs))
-        seeds = encode_seeds(plan.operator, problem, seed_kwargs)
+        try:
+            seeds = encode_seeds(plan.operator, problem, seed_kwargs)
+        except (TypeError, ValueError):
+            self._refuse_placeholders((), seed_kwargs)  # a placeholder tangent is said to be one
+            raise
         split = problem.split(values, kinds)
         mismatch = None
         if split is None:
+            self._refuse_placeholders(values, seed_kwargs)
             mismatch = problem.explain_mismatch(values, kinds) or "the arguments differ from the prepared ones."
         elif seeds is not None and seeds.key != plan.seed_key:
             mismatch = _seed_mismatch(plan.seed_key, seeds.key, plan.operator.seed)
@@ -80,24 +125,177 @@ class Prepared:
             )
         return plan.run(values, seeds, split)
 
-    def _run_new_signature(self, values: tuple, seed_kwargs: dict) -> Any:
-        """The whole call on raw values of a new signature, from its own plan (``strict=False``)."""
-        plan = self._plan_for(self._plan.problem.kinds, values, seed_kwargs)
-        return plan.direct()(values, seed_kwargs)
+    def _compile(self, plan: Plan, values: tuple, seed_kwargs: dict) -> Any:
+        return plan.backend.compile_call(plan, values, seed_kwargs, None if self._strict else self._retrace)
+
+    def _refuse_placeholders(self, values: tuple, seed_kwargs: dict) -> None:
+        found = next(
+            (
+                where
+                for where in (
+                    *(find_placeholder(value, f"argument {position}") for position, value in enumerate(values)),
+                    *(find_placeholder(value, name) for name, value in seed_kwargs.items()),
+                )
+                if where is not None
+            ),
+            None,
+        )
+        if found is not None:
+            raise TypeError(
+                f"prepared activity.{self.operator}: {found}. Placeholders are for prepare only: call the "
+                f"prepared operator with arrays of the prepared shapes and dtypes."
+            )
+
+    def _prepare_for_devices(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
+        """The first call after preparing from meta-device tensors: prepared again for its devices."""
+        plan = Plan(self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared")
+        plan.compile()
+        compiled = self._compile(plan, values, seed_kwargs)
+        with self._lock:
+            if self._device_pending:
+                self._plan, self._device_pending = plan, False
+                self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs, self.backend)), plan)]
+                self._compiled_call = compiled
+            return self._plan
+
+    def _retrace(self, values: tuple, seed_kwargs: dict) -> Any:
+        """The whole call for another signature, traced into the compiled call from that
+        signature's plan (``strict=False``), until the compiled call holds `max_signatures`
+        (see `_recompile_if_full`). A failed trace would leave JAX's C++ dispatch on its slow
+        path for those arguments, so it only fails for a compiled call about to be replaced."""
+        kinds = self._plan.problem.kinds
+        key = self._key(kinds, values, seed_kwargs)
+        with self._lock:
+            if self._compiled_signatures >= self._max_signatures:
+                raise SignatureChanged
+            self._compiled_signatures += 1
+        try:
+            plan = self._known_plan(key) or self._new_plan(kinds, *self._own_values(values, seed_kwargs, key), key)
+            return plan.direct()(values, seed_kwargs)
+        except BaseException:
+            with self._lock:
+                self._compiled_signatures -= 1  # nothing was added to the compiled call
+            raise
+
+    def _own_values(self, values: tuple, seed_kwargs: dict, key: tuple) -> tuple[tuple, dict]:
+        """The caller's own values for a plan made while JAX traces: inside `jax.jit` the values
+        are JAX's rebuild of them, whose dicts have sorted keys, and a plan's results keep
+        the key order of the values it was made from."""
+        call = getattr(self._local, "call", None)
+        if call is not None and _same_key(self._key(self._plan.problem.kinds, *call), key):
+            return call
+        return values, seed_kwargs
+
+    def _recompile_if_full(self, plan: Plan, values: tuple, seed_kwargs: dict) -> Any:
+        """A new compiled call, starting from ``plan``, if the current one is full (or None):
+        JAX cannot drop one signature from a jitted function, so the whole one goes, and the
+        signatures still in use are traced again into the new one when they next come."""
+        with self._lock:
+            full = self._compiled_call is not None and self._compiled_signatures >= self._max_signatures
+        if not full:
+            return None
+        compiled = self._compile(plan, values, seed_kwargs)
+        if compiled is not None:  # else these values cannot start one (JAX refuses them): keep the full one
+            with self._lock:
+                self._compiled_call, self._compiled_signatures = compiled, 1
+        return compiled
+
+    def _key(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> tuple:
+        """The signature of a call: the arguments' (as `Problem.check` sees them) and the tangents'."""
+        return (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs, self.backend))
+
+    def _known_plan(self, key: tuple) -> Plan | None:
+        with self._lock:
+            for index, (known, plan) in enumerate(self._plans):
+                if _same_key(known, key):
+                    self._plans.append(self._plans.pop(index))  # the most recently used last
+                    return plan
+        return None
 
     def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
         """The plan for this call's signature (tangents included), prepared on first sight."""
-        key = (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs, self.backend))
+        key = self._key(kinds, values, seed_kwargs)
+        return self._known_plan(key) or self._new_plan(kinds, values, seed_kwargs, key)
+
+    def _new_plan(self, kinds: tuple, values: tuple, seed_kwargs: dict, key: tuple) -> Plan:
+        """A plan for a new signature; at most `max_signatures` are kept, the least recently
+        used is dropped. Warns once when calls keep bringing new ones."""
+        plan = Plan(self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared")
+        plan.compile()
         with self._lock:
-            for known, plan in self._plans:
-                if _same_key(known, key):
-                    return plan
-        plan = Plan(
-            self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared"
-        ).compile()
-        with self._lock:
+            previous = self._plans[-1][0] if self._plans else None
             self._plans.append((key, plan))
+            del self._plans[: -self._max_signatures]
+            self._new_signatures += 1
+            warn = self._new_signatures > WARN_AFTER and not self._warned
+            self._warned |= warn
+        if warn:
+            from .backends._jax import caller_stacklevel
+
+            warnings.warn(self._keeps_preparing(previous, key, values), stacklevel=caller_stacklevel())
         return plan
+
+    def _keeps_preparing(self, previous: tuple | None, key: tuple, values: tuple) -> str:
+        problem = self._plan.problem
+        change = _signature_change(previous, key, values, problem) if previous is not None else "a new signature"
+        return (
+            f"prepared activity.{self.operator} (strict=False) has been prepared again for "
+            f"{self._new_signatures} new signatures, each from scratch (on JAX, f is traced and compiled "
+            f"again). The last change: {change}. Keep the shapes, dtypes and static values steady (pad or "
+            f"bucket batches), or prepare one operator per signature. At most max_signatures="
+            f"{self._max_signatures} signatures are kept, the least recently used are dropped."
+        )
+
+
+def _signature_change(old: tuple, new: tuple, values: tuple, problem: Any) -> str:
+    """What differs between two signature keys, where, e.g. "argument 1 (Constant) at ['x']:
+    shape (3, 4) -> (5, 4)" (the first three differences)."""
+    (old_args, old_seeds), (new_args, new_seeds) = old, new
+    changes = []
+    for position, ((old_kind, old_spec, old_metas), (kind, spec, metas)) in enumerate(zip(old_args, new_args)):
+        label = f"argument {position} ({kind.capitalize()})"
+        if old_kind != kind:
+            changes.append(f"argument {position}: {old_kind.capitalize()} -> {kind.capitalize()}")
+        elif old_spec != spec:
+            changes.append(f"{label}: structure {old_spec} -> {spec}")
+        else:
+            changes += [
+                f"{label} at {leaf_path(problem, values, position, index)}: {_meta_change(before, after)}"
+                for index, (before, after) in enumerate(zip(old_metas, metas))
+                if not _same_meta(before, after)
+            ]
+    if old_seeds != new_seeds:
+        changes.append(f"the tangent or cotangent keywords: {old_seeds} -> {new_seeds}")
+    if not changes:
+        return "none found (the arguments compare unequal to themselves)"
+    more = f"; and {len(changes) - 3} more" if len(changes) > 3 else ""
+    return "; ".join(changes[:3]) + more
+
+
+def leaf_path(problem: Any, values: tuple, position: int, index: int) -> str:
+    """The path of a leaf of the signature, for messages (an argument a model library splits
+    itself, a Flax NNX module, has leaves in its own order: no path then)."""
+    if position in getattr(problem, "adapted", {}):
+        return "a leaf inside it"
+    paths = leaf_paths(values[position])
+    return (paths[index] if index < len(paths) else "") or "(the argument itself)"
+
+
+def _meta_change(before: tuple, after: tuple) -> str:
+    if before[0] == after[0] and before[0] not in ("static", "module", "placeholder"):
+        parts = [
+            f"{what} {a} -> {b}"
+            for what, a, b in zip(("shape", "dtype", "device"), before[1:], after[1:])
+            if a != b
+        ]
+        return ", ".join(parts)
+    change = f"{_describe(before)} -> {_describe(after)}"
+    if after[0] == "static" and type(after[1]) in (int, float, bool, complex):
+        change += (
+            ". A Python number in a Constant is static, like a jax.jit static argument: each new value is "
+            "a new signature. Pass jnp.asarray(value) (or np.asarray) to trace it instead"
+        )
+    return change
 
 
 def _raw_seed_key(seed_kwargs: dict[str, Any], backend: Backend) -> tuple:
@@ -109,15 +307,28 @@ def _raw_seed_key(seed_kwargs: dict[str, Any], backend: Backend) -> tuple:
         batch = len(value) if name.endswith("s") and isinstance(value, (list, tuple)) else None
         first = value[0] if batch else value
         leaves, spec = flatten(first)
-        key.append((name, batch, spec, tuple(backend.array_meta(leaf) for leaf in leaves)))
+        key.append((name, batch, spec, tuple(_seed_meta(leaf, backend) for leaf in leaves)))
     return tuple(key)
 
 
-def _same_key(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a static leaf whose == is not a bool
+def _seed_meta(leaf: Any, backend: Backend) -> tuple:
+    """A tangent leaf's meta; a JAX placeholder's is that of the arrays it stands for."""
+    if arrays.is_jax_placeholder(leaf):
+        return ("jax", tuple(leaf.shape), str(sys.modules["jax"].dtypes.canonicalize_dtype(leaf.dtype)), None)
+    return backend.array_meta(leaf)
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Whether two signature keys are one signature (static leaves compared as `_same_meta` does)."""
+    (args_a, seeds_a), (args_b, seeds_b) = a, b
+    if len(args_a) != len(args_b) or seeds_a != seeds_b:
         return False
+    for (kind_a, spec_a, metas_a), (kind_b, spec_b, metas_b) in zip(args_a, args_b):
+        if kind_a != kind_b or spec_a != spec_b or len(metas_a) != len(metas_b):
+            return False
+        if not all(map(_same_meta, metas_a, metas_b)):
+            return False
+    return True
 
 
 def _seed_mismatch(expected: Any, got: Any, seed: str | None) -> str:
@@ -129,21 +340,73 @@ def _seed_mismatch(expected: Any, got: Any, seed: str | None) -> str:
     return f"prepared for {describe(expected)}, called with {describe(got)}."
 
 
+def _placeholder_frameworks(values: tuple, seed_kwargs: dict) -> set[str]:
+    leaves, _ = flatten((values, seed_kwargs))
+    return {"jax" if arrays.is_jax_placeholder(leaf) else "torch" for leaf in leaves if arrays.is_placeholder(leaf)}
+
+
+def _plan(
+    operator: Operator,
+    f: Callable,
+    kinds: tuple,
+    values: tuple,
+    backend: Backend | None,
+    options: dict,
+    seed_kwargs: dict,
+) -> tuple[Plan, bool]:
+    """The prepared plan, and whether it was made from torch placeholders (its devices are
+    then fixed by the first call). JAX placeholders become tracers of their shape and dtype
+    while the plan is made (inside `jax.eval_shape`), so it is the plan of the arrays they
+    stand for; nothing is computed from them."""
+    placeholders = _placeholder_frameworks(values, seed_kwargs)
+
+    def make(values: tuple, seed_kwargs: dict) -> Plan:
+        return Plan(operator, f, kinds, values, backend, options, seed_kwargs, "prepared")
+
+    if not placeholders:
+        return make(values, seed_kwargs).compile(), False
+    with placeholders_allowed():
+        if "jax" not in placeholders:
+            return make(values, seed_kwargs).compile(), True
+        from .backends._jax import with_abstract_arrays
+
+        made: list[Plan] = []
+        with_abstract_arrays(
+            lambda values, seed_kwargs: made.append(make(values, seed_kwargs)) or (), values, seed_kwargs,
+            placeholders_only=True,
+        )
+        return made[0].compile(), "torch" in placeholders
+
+
 def prepare(
     op: Callable | str,
     f: Callable,
     *args: Any,
     backend: Backend | None = None,
     strict: bool = True,
+    max_signatures: int | None = None,
     **op_kwargs: Any,
 ) -> Prepared:
     """Prepare ``op(f, *args, **op_kwargs)`` once; call the result on new values of the same kinds.
 
     All one-time work (tracing, compiling, building transformed functions) is
-    done here; results are never computed from the preparation values. With
-    ``strict=True`` a change of kind, structure, shape, dtype or device raises
-    `PreparationMismatchError`; with ``strict=False`` the operator is prepared
-    again for the new signature.
+    done here; results are never computed from the preparation values, which
+    may be placeholders: ``jax.ShapeDtypeStruct`` or torch tensors on the
+    ``meta`` device, at any leaf (of arguments and tangents). With
+    ``strict=True`` a change of kind, structure, shape, dtype, device or static
+    value raises `PreparationMismatchError`; with ``strict=False`` the operator
+    is prepared again for the new signature, keeping at most
+    ``max_signatures`` (default `MAX_SIGNATURES`, 32; the least recently used
+    is dropped) and warning once when calls keep bringing new ones.
+
+    Non-array leaves of the arguments (a Python number or string in a
+    `Constant`, a model's activation function) are static, like ``jax.jit``
+    static arguments: a call matches them by type and equality, so a new value
+    is a new signature, and an object changed in place between calls (an
+    object without ``__eq__`` compares by identity) is not seen by AutoJAX,
+    which compiles f with them. Pass values that change as arrays:
+    ``Constant(jnp.asarray(scale))`` is traced. AutoJAX warns at prepare of
+    static leaves it can tell are mutable.
 
     A prepared object may be called from several threads at once: each call
     builds its own state (module views, Cache buffers, tapes) and shares only
@@ -163,8 +426,25 @@ def prepare(
         raise TypeError(f"activity.{operator.name} does not take has_aux; it is for {', '.join(sorted(_HAS_AUX))}.")
     if operator.name not in _HAS_AUX:
         options = {}
-    plan = Plan(operator, f, kinds, values, backend, options, op_kwargs, "prepared").compile()
-    return Prepared(plan, f, strict, options, op_kwargs, values)
+    limit = _max_signatures(operator.name, strict, max_signatures)
+    plan, device_pending = _plan(operator, f, kinds, values, backend, options, op_kwargs)
+    return Prepared(plan, f, strict, options, op_kwargs, values, limit, device_pending)
+
+
+def _max_signatures(op_name: str, strict: bool, max_signatures: int | None) -> int:
+    if max_signatures is None:
+        return MAX_SIGNATURES
+    if strict:
+        raise TypeError(
+            f"activity.prepare(activity.{op_name}, ...): max_signatures= bounds the signatures a strict=False "
+            f"prepared operator keeps; with strict=True there is only the prepared one. Pass strict=False too."
+        )
+    if isinstance(max_signatures, bool) or not isinstance(max_signatures, int) or max_signatures < 1:
+        raise ValueError(
+            f"activity.prepare(activity.{op_name}, ...): max_signatures must be a positive int, got "
+            f"{max_signatures!r}."
+        )
+    return max_signatures
 
 
 _HAS_AUX = {"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"}

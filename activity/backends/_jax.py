@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import enum
+import functools
+import sys
 import threading
+import types
+import warnings
 from typing import Any, Callable
 
 import attrs
 import numpy as np
+import optree
 
 from .. import _arrays as arrays
-from .._problem import array_meta, combine, partition
+from .._problem import STATIC, array_meta, combine, ordinal, partition
+from .._tree import NAMESPACE, flatten, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
@@ -89,12 +96,14 @@ class AutoJAX(Backend):
         return ys, aux, grads
 
     def compile(self, pipeline: Callable) -> Callable:
-        dynamic_only, rebuild = _with_static_output(pipeline)
-        jitted = _jax().jit(dynamic_only)
+        # One jit of the whole pipeline, which `compile_call` traces and compiles ahead where
+        # calls take the generic path; its result leaves JAX in activity's own structure.
+        jitted = _jax().jit(_with_static_output(pipeline, {}))
 
         def run(xs: Flat, ctx: Flat, extra: Flat | None) -> Any:
-            return rebuild(jitted(xs, ctx, extra))
+            return _rebuilt(jitted(xs, ctx, extra))
 
+        run.jitted = jitted  # type: ignore[attr-defined]  # for `_compile_ahead`
         return run
 
     def compile_call(
@@ -106,59 +115,282 @@ class AutoJAX(Backend):
         # arguments it cannot take (a torch tensor, a string) with TypeError or
         # ValueError, before anything runs. With `retrace`, a new signature is
         # traced once more into the same jitted function, from its own plan.
+        # ``values`` may be placeholders: then it is compiled without running.
+        _warn_of_stale_statics(plan, values)
         if type(self) is not AutoJAX or not plan.problem.arrays_only:
-            return None  # a subclass may change any step: it gets the generic path, which runs its hooks
-        call, misses = plan.direct(), (SignatureChanged, TypeError, ValueError)
-        jitted = _sealed_jit(call, values, seed_kwargs, retrace)
-        if jitted is not None:
-            return CompiledCall(jitted, misses)
-        if retrace is not None:  # the static part of the output may differ between signatures
+            # A non-array leaf (a model's activation function, a Python number) cannot be a
+            # `jax.jit` argument, and a subclass may change any step: these calls take the
+            # generic path, which splits the arguments and runs the jitted pipeline (and a
+            # subclass's hooks). It is compiled now, so that the first call does not trace.
+            _compile_ahead(plan, values, seed_kwargs)
             return None
-        dynamic_only, rebuild = _with_static_output(call)  # an output JAX cannot return (a string in aux)
-        jitted = _sealed_jit(dynamic_only, values, seed_kwargs, None)
-        if jitted is None:
+        sealed = _sealed_jit(plan, values, seed_kwargs, retrace)
+        if sealed is None:
             return None
-        return CompiledCall(lambda *values, **seed_kwargs: rebuild(jitted(*values, **seed_kwargs)), misses)
+        jitted, rebuilt = sealed
+        if retrace is None and not rebuilt:  # one signature, whose result JAX returns as built
+            return CompiledCall(jitted, _MISSES)
+
+        def call(*values: Any, **seed_kwargs: Any) -> Any:
+            return _rebuilt(jitted(*values, **seed_kwargs))
+
+        call.jitted = jitted  # type: ignore[attr-defined]  # for inspection, as `compile`'s
+        return CompiledCall(call, _MISSES)
 
 
-def _sealed_jit(call: Callable, values: tuple, seed_kwargs: dict, retrace: Callable | None) -> Callable | None:
-    """``jax.jit`` of ``call``, traced, compiled and run once on ``values``, then sealed:
-    a later call that would trace again has another signature, and is traced from
-    ``retrace`` or, without it, raises SignatureChanged."""
+_MISSES = (SignatureChanged, TypeError, ValueError)
+
+
+def _sealed_jit(plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None) -> tuple | None:
+    """``jax.jit`` of the whole call (`Plan.direct`), traced and compiled for ``values``
+    (never run), then sealed: a later trace is for other arguments, traced from ``retrace``
+    or, without it, only if they have the prepared signature as activity sees it (say, a
+    weakly typed array where a plain one was prepared); else it raises SignatureChanged and
+    the call takes the checked path. Returns the jitted function and whether the prepared
+    result leaves it as an `_Output`, or None if it cannot be traced."""
+    call, same_signature = plan.direct(), _same_signature(plan)
     sealed = False
 
     def whole(*values: Any, **seed_kwargs: Any) -> Any:
         if not sealed:
             return call(values, seed_kwargs)
-        if retrace is None:
+        if retrace is not None:
+            return retrace(values, seed_kwargs)
+        if not same_signature(values, seed_kwargs):
             raise SignatureChanged
-        return retrace(values, seed_kwargs)
+        return call(values, seed_kwargs)
 
-    jitted = _jax().jit(whole)
+    rebuilt: dict = {}
+    jitted = _jax().jit(_with_static_output(whole, rebuilt))
     try:
-        jitted(*values, **seed_kwargs)  # the result is dropped: this run only fills JAX's caches
+        # Traced and compiled, not run (the values may be placeholders); calls share JAX's
+        # caches with `lower`, so the first call neither traces nor compiles.
+        jitted.lower(*values, **seed_kwargs).compile()
     except Exception:  # noqa: BLE001 - the checked path runs the call again and reports any error
         return None
     sealed = True
-    return jitted
+    return jitted, rebuilt.get("first", True)
 
 
-def _with_static_output(function: Callable) -> tuple[Callable, Callable]:
-    """``function`` returning only its array leaves, and how to put the rest back.
+def _same_signature(plan: Any) -> Callable[[tuple, dict], bool]:
+    from .._operators._common import encode_seeds  # the operators import the backends
 
-    JAX functions return arrays only; the static part of the output (structure,
-    strings, None) is recorded at trace time, fixed for one prepared signature.
+    problem = plan.problem
+
+    def same(values: tuple, seed_kwargs: dict) -> bool:
+        if len(values) != len(problem.kinds) or problem.split(values, problem.kinds) is None:
+            return False
+        seeds = encode_seeds(plan.operator, problem, seed_kwargs)
+        return seeds is None or seeds.key == plan.seed_key
+
+    return same
+
+
+def _with_static_output(function: Callable, rebuilt: dict) -> Callable:
+    """``function``, its result made such that `jax.jit` gives it back exactly as built.
+
+    JAX rebuilds a jitted function's result with its own pytrees, which sort dict keys
+    and return arrays only; activity's results keep the input's key order and may hold
+    strings or None in aux. Where the two differ, the result leaves JAX as an `_Output`
+    (`_rebuilt` turns it back into the result): its arrays are the outputs, and the rest
+    (activity's structure and non-array leaves) is the node's static data, which JAX
+    keeps per compiled signature. ``rebuilt["first"]`` says whether the first trace's did.
     """
-    recorded: dict[str, Any] = {}
-    lock = threading.Lock()
+    _register_output()
 
-    def dynamic_only(*args: Any) -> list:
-        dynamic, static = partition(function(*args))
-        with lock:
-            recorded["static"] = static
-        return dynamic
+    def returnable(*args: Any, **kwargs: Any) -> Any:
+        out = function(*args, **kwargs)
+        keeps = _jax_keeps(out)
+        rebuilt.setdefault("first", not keeps)
+        return out if keeps else _Output(*partition(out))
 
-    def rebuild(dynamic: list) -> Any:
-        return combine(dynamic, recorded["static"])
+    return returnable
 
-    return dynamic_only, rebuild
+
+def _rebuilt(out: Any) -> Any:
+    if type(out) is not _Output:
+        return out
+    if out.static.arrays_only:  # the usual case, a dict of arrays: no leaves to put back
+        return unflatten(out.static.value[0], out.dynamic)
+    return combine(out.dynamic, out.static.value)
+
+
+class _Output:
+    """A result on its way out of `jax.jit` (see `_with_static_output`)."""
+
+    __slots__ = ("dynamic", "static")
+
+    def __init__(self, dynamic: list, static: Any):
+        self.dynamic = dynamic
+        self.static = static if isinstance(static, _Static) else _Static(static)
+
+
+class _Static:
+    """The static part of a result, as JAX node data: hashed and compared by identity, as
+    it may hold unhashable leaves (and one trace's output never equals another's)."""
+
+    __slots__ = ("value", "arrays_only")
+
+    def __init__(self, value: tuple):
+        self.value = value  # `partition`'s static part: (structure, which leaves are arrays, the others)
+        self.arrays_only = all(value[1])
+
+
+_output_lock = threading.Lock()
+_output_registered = False
+
+
+def _register_output() -> None:
+    global _output_registered
+    with _output_lock:
+        if not _output_registered:
+            _jax().tree_util.register_pytree_node(
+                _Output, lambda out: (out.dynamic, out.static), lambda static, dynamic: _Output(list(dynamic), static)
+            )
+            _output_registered = True
+
+
+def _jax_keeps(out: Any) -> bool:
+    """Whether JAX's pytrees give ``out`` back as it is: every leaf an array, and the same
+    containers, dict keys in the same order. Run at trace time only."""
+    jax = _jax()
+    if isinstance(out, jax.Array):
+        return True
+    flatten(out)  # activity learns any new node type before `_same_layout` walks with it
+    leaves, treedef = jax.tree_util.tree_flatten(out)
+    return all(isinstance(leaf, jax.Array) for leaf in leaves) and _same_layout(out, treedef.unflatten(leaves))
+
+
+def _same_layout(built: Any, rebuilt: Any) -> bool:
+    if type(built) is not type(rebuilt) or (isinstance(built, dict) and list(built) != list(rebuilt)):
+        return False
+    children, spec = optree.tree_flatten(built, is_leaf=lambda node: node is not built, namespace=NAMESPACE)
+    if spec.is_leaf():
+        return True
+    others, _ = optree.tree_flatten(rebuilt, is_leaf=lambda node: node is not rebuilt, namespace=NAMESPACE)
+    return len(children) == len(others) and all(map(_same_layout, children, others))
+
+
+def with_abstract_arrays(fn: Callable, *trees: Any, placeholders_only: bool = False) -> Any:
+    """``fn(*trees)`` evaluated abstractly (`jax.eval_shape`): each JAX placeholder leaf of
+    ``trees`` (and, unless ``placeholders_only``, each numpy or JAX array) becomes a tracer
+    of its shape and dtype, other leaves are passed as they are; ``fn``'s result comes back
+    as ShapeDtypeStructs. Nothing is computed from the arrays."""
+    leaves, spec = flatten(trees)
+    where = [
+        index
+        for index, leaf in enumerate(leaves)
+        if arrays.is_jax_placeholder(leaf) or (not placeholders_only and arrays.framework(leaf) in ("numpy", "jax"))
+    ]
+
+    def on_tracers(abstract: list) -> Any:
+        filled = list(leaves)
+        for index, leaf in zip(where, abstract):
+            filled[index] = leaf
+        return fn(*unflatten(spec, filled))
+
+    return _jax().eval_shape(on_tracers, [leaves[index] for index in where])
+
+
+def _compile_ahead(plan: Any, values: tuple, seed_kwargs: dict) -> None:
+    """Trace and compile ``plan``'s jitted pipeline for the signature of ``values`` (arrays
+    or placeholders) without running it, so that the first call finds it compiled."""
+    jitted = getattr(plan.pipeline, "jitted", None)
+    if jitted is None:
+        return
+    from .._operators._common import encode_seeds  # the operators import the backends
+
+    problem, operator = plan.problem, plan.operator
+
+    def inputs(values: tuple, seed_kwargs: dict) -> tuple:
+        seeds = encode_seeds(operator, problem, seed_kwargs)
+        xs, ctx = problem.split(values)
+        return xs, ctx, None if seeds is None else seeds.leaves
+
+    try:
+        jitted.lower(*with_abstract_arrays(inputs, values, seed_kwargs)).compile()
+    except Exception:  # noqa: BLE001 - f cannot be traced, say: the first call raises where it is clear
+        pass
+
+
+# ------------------------------------------------------------------ static leaves
+
+
+def _warn_of_stale_statics(plan: Any, values: tuple) -> None:
+    """Warn, once at prepare, of each static leaf whose changes the compiled call cannot see."""
+    problem = plan.problem
+    for position, (roles, statics) in enumerate(zip(problem.roles, problem.statics)):
+        for index, (role, leaf) in enumerate(zip(roles, statics)):
+            reason = _stale_reason(leaf) if role == STATIC else None
+            if reason is not None:
+                from .._preparation import leaf_path  # the preparation imports the backends
+
+                path = leaf_path(problem, values, position, index)
+                warnings.warn(
+                    f"activity.prepare(activity.{plan.operator.name}, ...): {ordinal(position)} "
+                    f"({problem.kinds[position].capitalize()}) at {path} is {reason}",
+                    stacklevel=caller_stacklevel(),
+                )
+
+
+_STATIC_RULE = (
+    "AutoJAX compiles f with each non-array leaf as a static value (like a jax.jit static argument), "
+    "which a call matches by type and equality"
+)
+
+
+def _stale_reason(leaf: Any) -> str | None:
+    """Why AutoJAX would not see a change to the static ``leaf``, or None. Only what is cheap
+    to tell and certain: functions, classes, enums, numbers, strings, dtypes and value types
+    (``__eq__`` with ``__hash__``) cannot change unseen, so they are never reported."""
+    if isinstance(leaf, (type, types.ModuleType, enum.Enum)):
+        return None
+    if callable(leaf):
+        if not _captures_writable_numpy(leaf):
+            return None
+        return (
+            "a function that reads a numpy array from its closure. jax.jit copies that array into the "
+            "compiled code when it traces f, so writing into it between calls is not seen. Pass the array "
+            "as an argument (Constant(array)), or make it read-only (array.flags.writeable = False) if it "
+            "never changes."
+        )
+    cls = type(leaf)
+    if isinstance(leaf, (set, bytearray)):
+        mutable = True
+    else:
+        try:
+            vars(leaf)
+        except TypeError:  # no attributes to set: numbers, strings, dtypes
+            return None
+        mutable = cls.__hash__ is None or cls.__eq__ is object.__eq__
+    if not mutable:
+        return None
+    identity = ", for this class identity" if cls.__eq__ is object.__eq__ else ""
+    return (
+        f"a {cls.__name__}, which can change in place. {_STATIC_RULE}{identity}: the same object always "
+        f"matches itself, so changing it between calls is not seen. Pass what changes as arrays (e.g. "
+        f"Constant(jnp.asarray(value)), or a dataclass of arrays), or pass a new object each time, of a "
+        f"class with __eq__ and __hash__."
+    )
+
+
+def _captures_writable_numpy(function: Any) -> bool:
+    if isinstance(function, functools.partial):
+        captured = [*function.args, *function.keywords.values()]
+    else:
+        captured = []
+        for cell in getattr(function, "__closure__", None) or ():
+            try:
+                captured.append(cell.cell_contents)
+            except ValueError:  # a cell not filled yet
+                pass
+    return any(isinstance(value, np.ndarray) and value.flags.writeable for value in captured)
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for `warnings.warn` that points at the caller's code: the first
+    frame outside activity and JAX (a warning may be raised while JAX traces)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("activity", "jax", "jaxlib"):
+        frame, level = frame.f_back, level + 1
+    return level
