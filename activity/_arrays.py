@@ -182,3 +182,26 @@ def is_torch_placeholder(x: Any) -> bool:
 
 def is_placeholder(x: Any) -> bool:
     return is_jax_placeholder(x) or is_torch_placeholder(x)
+
+
+# Layouts the operators and the backends share (a backend never imports the operator layer).
+
+
+def input_basis(xs: tuple, backend: Any) -> tuple:
+    """One tangent per scalar entry of ``xs``: a batch of ``sum(sizes)`` unit vectors."""
+    sizes = [size(x) for x in xs]
+    eye = basis(sum(sizes), xs[0])
+    blocks = split_columns(eye, sizes)
+    return tuple(
+        backend.as_tangent(reshape(block, (sum(sizes), *shape(x))), x.dtype)
+        for block, x in zip(blocks, xs)
+    )
+
+
+def output_basis(ys: tuple) -> tuple:
+    sizes = [size(y) for y in ys]
+    eye = basis(sum(sizes), ys[0])
+    return tuple(
+        reshape(block, (sum(sizes), *shape(y)))
+        for block, y in zip(split_columns(eye, sizes), ys)
+    )

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from .. import _arrays as arrays
+from .._arrays import input_basis, output_basis  # noqa: F401  # re-exported for the operators
 from .._errors import UnsupportedError
 from .._problem import Problem, Traced, a, parse_arguments
 from .._tree import flatten, leaf_paths
@@ -189,26 +190,6 @@ def start(problem: Problem, f: Callable, backend: Backend, xs: tuple, ctx: tuple
     xs, ctx = backend.convert_inputs(xs, ctx)
     traced = Traced()
     return xs, traced, backend.wrap_function(problem.function(f, ctx, traced, **flags), xs)
-
-
-def input_basis(xs: tuple, backend: Backend) -> tuple:
-    """One tangent per scalar entry of ``xs``: a batch of ``sum(sizes)`` unit vectors."""
-    sizes = [arrays.size(x) for x in xs]
-    eye = arrays.basis(sum(sizes), xs[0])
-    blocks = arrays.split_columns(eye, sizes)
-    return tuple(
-        backend.as_tangent(arrays.reshape(block, (sum(sizes), *arrays.shape(x))), x.dtype)
-        for block, x in zip(blocks, xs)
-    )
-
-
-def output_basis(ys: tuple) -> tuple:
-    sizes = [arrays.size(y) for y in ys]
-    eye = arrays.basis(sum(sizes), ys[0])
-    return tuple(
-        arrays.reshape(block, (sum(sizes), *arrays.shape(y)))
-        for block, y in zip(arrays.split_columns(eye, sizes), ys)
-    )
 
 
 def blocks(batched: Any, sizes: list[int], shapes: list[tuple], inner_shape: tuple, inner_first: bool) -> list:

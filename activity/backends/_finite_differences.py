@@ -276,9 +276,7 @@ class AutoFiniteDifferences(Backend):
         return ys, aux, pull
 
     def _jacobian_matrix(self, F: FlatFunction, xs: Flat) -> Any:
-        from .._operators._common import input_basis
-
-        _, _, columns = self.jvp(F, xs, input_basis(xs, self), True)
+        _, _, columns = self.jvp(F, xs, arrays.input_basis(xs, self), True)
         return arrays.moveaxes_front_to_back(arrays.concat_flat(list(columns)), 1)
 
 

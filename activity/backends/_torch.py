@@ -455,11 +455,9 @@ def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoT
 def _tape_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoTorch) -> tuple[Flat, Any, Flat]:
     """Forward mode from reverse mode on the tape, for functions torch.func cannot run:
     the Jacobian, one batched pullback of the output basis, applied to the tangents."""
-    from .._operators._common import output_basis  # noqa: PLC0415 - layout helper, no operator logic
-
     torch = _torch()
     ys, aux, pull = backend.vjp(F, xs)
-    rows = pull(tuple(backend.as_tangent(b, y.dtype) for b, y in zip(output_basis(ys), ys)), True)
+    rows = pull(tuple(backend.as_tangent(b, y.dtype) for b, y in zip(arrays.output_basis(ys), ys)), True)
     n_out = sum(arrays.size(y) for y in ys)
     matrix = torch.cat([r.reshape(n_out, -1) for r in rows], dim=1)  # (outputs, inputs)
     tangents = ts if batched else tuple(t[None] for t in ts)
