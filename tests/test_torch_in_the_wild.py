@@ -726,3 +726,23 @@ def test_a_model_dropped_by_the_user_is_freed():
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_second_order_through_an_op_torch_cannot_differentiate_twice_says_what_to_do():
+    q = randn(1, 2, 4, 8, seed=30)
+
+    def f(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).pow(2).sum()
+
+    try:
+        torch.func.jvp(torch.func.grad(f), (q,), (q,))
+        torch.autograd.grad(torch.autograd.grad(f(q.requires_grad_()), q, create_graph=True)[0].sum(), q)
+    except (RuntimeError, NotImplementedError):
+        pass  # this torch has a fused CPU kernel without second order: the library must say so
+    else:
+        torch.testing.assert_close(ad.hvp(f, Active(q.detach()), tangent=q.detach()), torch.func.jvp(torch.func.grad(f), (q.detach(),), (q.detach(),))[1])
+        return
+    with pytest.raises((RuntimeError, NotImplementedError)) as info:
+        ad.hvp(f, Active(q.detach()), tangent=q.detach())
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "double backward failed too" in notes and "attn_implementation='eager'" in notes

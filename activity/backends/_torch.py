@@ -30,6 +30,7 @@ from typing import Any, Callable
 import attrs
 
 from .. import _arrays as arrays
+from .._errors import add_note
 from .._tree import flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 from ._torch_modules import ModuleDescription, bound_view, described
@@ -61,6 +62,13 @@ _TRANSFORM_LIMITS = (
     "torch.func",
     "randomness",
     "data pointer of tensor that doesn't have storage",  # .numpy(), data_ptr() on a transform's wrapper
+    "derivative for",  # "derivative for aten::..._backward is not implemented": no double backward
+)
+
+_NO_SECOND_ORDER = (
+    "activity (AutoTorch): an operation in f has neither a forward-mode rule nor a differentiable backward in "
+    "this torch version, so no second-order derivative can be taken through it. For a Hugging Face model, build "
+    "it with attn_implementation='eager' (scaled_dot_product_attention's fused CPU kernels have neither)."
 )
 
 
@@ -278,7 +286,14 @@ class AutoTorch(Backend):
             if second is None or not _is_transform_limit(error):
                 raise
             _torch().set_rng_state(state)
-        return second(self, F, xs, ts, batched)
+            first_error = error
+        try:
+            return second(self, F, xs, ts, batched)
+        except (RuntimeError, NotImplementedError) as error:
+            if _is_transform_limit(error):  # torch has neither second-order path for an operation in f
+                add_note(error, f"(double backward failed too: {str(first_error).splitlines()[0][:200]})")
+                add_note(error, _NO_SECOND_ORDER)
+            raise
 
 
 # ------------------------------------------------------------------ primitives
