@@ -746,3 +746,22 @@ def test_second_order_through_an_op_torch_cannot_differentiate_twice_says_what_t
         ad.hvp(f, Active(q.detach()), tangent=q.detach())
     notes = " ".join(getattr(info.value, "__notes__", []))
     assert "double backward failed too" in notes and "attn_implementation='eager'" in notes
+
+
+def test_forward_mode_results_keep_the_input_dtype():
+    """torch.func.jvp gives `float32 scalar / 2.0` a float64 tangent; results are float32 like the input."""
+    s = torch.tensor(2.0)
+    half = lambda s: (s * s) / 2.0  # noqa: E731
+    results = {
+        "pushforward": ad.pushforward(lambda s: s / 2.0, Active(s), tangent=torch.tensor(1.0)),
+        "pushforward dict": ad.pushforward(lambda s: {"a": s / 2.0}, Active(s), tangent=torch.tensor(1.0))["a"],
+        "jacobian": ad.jacobian(lambda s: torch.stack([s / 2.0, s * 3.0]), Active(s)),
+        "derivative": ad.derivative(lambda s: s / 2.0, Active(s)),
+        "second_derivative": ad.second_derivative(half, Active(s)),
+        "hessian": ad.hessian(half, Active(s)),
+        "hvp batch": ad.hvp(half, Active(s), tangents=[torch.tensor(1.0)] * 2)[1],
+    }
+    for name, result in results.items():
+        assert result.dtype == torch.float32, (name, result.dtype)
+    torch.testing.assert_close(results["second_derivative"], torch.tensor(1.0))
+    torch.testing.assert_close(results["jacobian"], torch.tensor([0.5, 3.0]))

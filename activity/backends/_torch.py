@@ -451,7 +451,10 @@ def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoT
     G = _checked_forward(F)
 
     def one(tangent: Flat) -> tuple:
-        return torch.func.jvp(G, (xs,), (tangent,), has_aux=True)
+        ys, dys, aux = torch.func.jvp(G, (xs,), (tangent,), has_aux=True)
+        # A tangent in its primal's dtype: torch.func promotes `float32 scalar / 2.0` to float64
+        # in the tangent (the Python number loses its "wrapped number" status), not in the value.
+        return ys, tuple(d if d.dtype == y.dtype else d.to(y.dtype) for d, y in zip(dys, ys)), aux
 
     with _FORWARD_AD:
         if not batched:
