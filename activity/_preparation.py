@@ -342,7 +342,14 @@ def _seed_mismatch(expected: Any, got: Any, seed: str | None) -> str:
 
 def _placeholder_frameworks(values: tuple, seed_kwargs: dict) -> set[str]:
     leaves, _ = flatten((values, seed_kwargs))
-    return {"jax" if arrays.is_jax_placeholder(leaf) else "torch" for leaf in leaves if arrays.is_placeholder(leaf)}
+    found = {"jax" if arrays.is_jax_placeholder(leaf) else "torch" for leaf in leaves if arrays.is_placeholder(leaf)}
+    if any(arrays.is_torch_module(leaf) and _on_meta(leaf) for leaf in leaves):
+        found.add("torch")  # a module built on the meta device: its tensors are placeholders too
+    return found
+
+
+def _on_meta(module: Any) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
 
 
 def _plan(

@@ -765,3 +765,14 @@ def test_forward_mode_results_keep_the_input_dtype():
         assert result.dtype == torch.float32, (name, result.dtype)
     torch.testing.assert_close(results["second_derivative"], torch.tensor(1.0))
     torch.testing.assert_close(results["jacobian"], torch.tensor([0.5, 3.0]))
+
+
+def test_a_module_built_on_the_meta_device_prepares_for_real_models():
+    with torch.device("meta"):
+        placeholder = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    prepared = ad.prepare(ad.gradient, squared, Active(placeholder), Constant(torch.empty(5, 3, device="meta")))
+    model, x = bn_model(), randn(5, 3, seed=31)
+    model[3] = init(nn.Linear(4, 2), 32)
+    assert_dict_close(prepared(model, x), hand_gradient(squared, model, x))
+    with pytest.raises(ad.PreparationMismatchError, match="module"):
+        prepared(init(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))), x)

@@ -67,8 +67,9 @@ _TRANSFORM_LIMITS = (
 
 _NO_SECOND_ORDER = (
     "activity (AutoTorch): an operation in f has neither a forward-mode rule nor a differentiable backward in "
-    "this torch version, so no second-order derivative can be taken through it. For a Hugging Face model, build "
-    "it with attn_implementation='eager' (scaled_dot_product_attention's fused CPU kernels have neither)."
+    "this torch version, so no second-order derivative can be taken through it. scaled_dot_product_attention's "
+    "fused kernels have neither: run f under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or build a Hugging "
+    "Face model with attn_implementation='eager'."
 )
 
 
