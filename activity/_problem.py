@@ -368,8 +368,7 @@ class Problem:
         F.op_name = op_name  # type: ignore[attr-defined]  # for a backend's messages
         # For a backend that compiles F once per problem and calls it with each call's context.
         F.problem, F.ctx, F.traced = self, ctx, traced  # type: ignore[attr-defined]
-        F.remake = lambda ctx_, traced_: self.function(f, ctx_, traced_, has_aux=has_aux, scalar=scalar)  # type: ignore[attr-defined]
-        F.key = (f, has_aux, scalar)  # type: ignore[attr-defined]
+        F.key = (f, (("has_aux", has_aux), ("scalar", scalar)))  # type: ignore[attr-defined]  # how to make it again
         return F
 
     def call(self, f: Callable, values: Sequence[Any]) -> Any:
@@ -480,7 +479,7 @@ class Problem:
             spec = self.adapted[position][3] if position in self.adapted else self.specs[position]
             try:
                 subtrees = spec.flatten_up_to(part)
-            except (ValueError, TypeError) as error:
+            except (ValueError, TypeError):
                 raise ValueError(
                     f"activity.{self.op_name}: {label} must have the structure of the Active {ordinal(position)} "
                     f"(as its result has): {_difference(spec, part)}."

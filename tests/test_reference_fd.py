@@ -175,3 +175,23 @@ def test_spectral_norm_in_train_mode_is_reference_unreliable_and_batchnorm_is_no
     status = {o.scenario: o for o in report.outcomes}
     assert status["spectral"].status == "reference unreliable" and "spectral_norm" in status["spectral"].message
     assert status["batchnorm"].status == "pass"
+
+
+def test_compiled_references_on_jax_are_dropped_with_their_call():
+    import gc
+
+    import jax.numpy as jnp
+
+    from activity.backends import _finite_differences as fd
+
+    gc.collect()
+    before = len(fd._COMPILED)
+    for _ in range(5):  # unprepared: each call compiles its own, which must not outlive it
+        ad.gradient(lambda x: jnp.sum(x**2), Active(jnp.ones(3)), backend=FD)
+    prepared = ad.prepare(ad.gradient, lambda x: jnp.sum(x**3), Active(jnp.ones(3)), backend=FD)
+    prepared(jnp.ones(3))
+    gc.collect()
+    assert len(fd._COMPILED) == before + 1  # the prepared operator's, while it lives
+    del prepared
+    gc.collect()
+    assert len(fd._COMPILED) == before

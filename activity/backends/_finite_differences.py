@@ -301,10 +301,12 @@ def _compiled_for(F: Any) -> _Compiled:
     entry = by_key.get(F.key)
     if entry is None:
         entry = _Compiled()
+        # The problem held weakly: an entry that referred to its own key would never be dropped.
+        problem, (f, flags) = weakref.ref(F.problem), F.key
 
         def whole(xs: Flat, ctx: Flat) -> tuple[Flat, Any]:
             traced = Traced()
-            ys, aux = F.remake(ctx, traced)(xs)
+            ys, aux = problem().function(f, ctx, traced, **dict(flags))(xs)
             entry.traced = traced
             return ys, aux
 
