@@ -7,6 +7,7 @@ Every expected value is independent of the library: a hand-written
 
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 
@@ -776,3 +777,16 @@ def test_a_module_built_on_the_meta_device_prepares_for_real_models():
     assert_dict_close(prepared(model, x), hand_gradient(squared, model, x))
     with pytest.raises(ad.PreparationMismatchError, match="module"):
         prepared(init(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))), x)
+
+
+def test_a_forward_replaced_after_preparation_is_checked_again():
+    model, x = bn_model().train(), randn(4, 3)
+    model.forward = functools.partial(nn.Sequential.forward, model)
+    prepared = ad.prepare(ad.gradient, squared, Active(model), Constant(x))
+    assert_dict_close(prepared(model, x), hand_gradient(squared, copy.deepcopy(model), x))
+    before = snapshot(model)
+    original = model.forward
+    model.forward = lambda x: original(x) * 2  # same attribute, now a closure over the user's module
+    with pytest.raises(UnsupportedError, match="closure or a global name"):
+        prepared(model, x)
+    assert_unchanged(model, before)  # the original module never ran: its BatchNorm statistics are as they were

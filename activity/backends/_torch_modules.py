@@ -28,6 +28,7 @@ from typing import Any, Callable
 import attrs
 
 from .._errors import UnsupportedError
+from .._tree import captured_values
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
 _SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
@@ -53,12 +54,13 @@ class ModuleDescription:
     has_buffers: bool
     has_inference: bool = False  # a tensor made under torch.inference_mode (cloned in a view)
     # For `still_describes`: the parameter, buffer and submodule dicts of every visited
-    # module, with the objects each held (empty ones apart), each tensor's metadata and
-    # the size of each module's __dict__ (a new instance attribute such as `forward`).
+    # module, with the objects each held (empty ones apart), each tensor's metadata, and
+    # each module's __dict__: its size (a new instance attribute such as `forward`) and the
+    # ids of the values a view redirects (an instance `forward` replaced by another).
     filled: tuple = ()
     empty: tuple = ()
     tensors: tuple = ()
-    dict_sizes: tuple = ()
+    states: tuple = ()
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict = attrs.field(factory=dict)
     plans: dict = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
@@ -85,7 +87,11 @@ class ModuleDescription:
                 or tensor.device != device
             ):
                 return False
-        return all(len(ref().__dict__) == size for ref, size in self.dict_sizes)
+        for ref, size, watched in self.states:
+            state = ref().__dict__
+            if len(state) != size or any(id(state.get(key)) != ident for key, ident in watched):
+                return False
+        return True
 
 
 def describe_module(module: Any) -> ModuleDescription:
@@ -145,7 +151,10 @@ def describe_module(module: Any) -> ModuleDescription:
         filled,
         empty,
         tuple(tensors),
-        tuple((weakref.ref(m), len(m.__dict__)) for m in modules),
+        tuple(
+            (weakref.ref(m), len(m.__dict__), tuple((key, id(m.__dict__[key])) for key in redirected.get(id(m), ())))
+            for m in modules
+        ),
         redirected,
     )
 
@@ -201,17 +210,9 @@ def _refers_to_tree(value: Any, tree: set[int], where: str, depth: int) -> bool:
         return any([_refers_to_tree(item, tree, where, depth + 1) for item in value])
     if isinstance(value, dict):
         return any([_refers_to_tree(item, tree, where, depth + 1) for item in value.values()])
-    if isinstance(value, types.FunctionType):
-        captured = []
-        for cell in value.__closure__ or ():
-            try:
-                captured.append(cell.cell_contents)
-            except ValueError:  # an empty cell
-                continue
-        # A module-level function reaches the module through a global name instead.
-        captured += [value.__globals__[name] for name in value.__code__.co_names if name in value.__globals__]
-        for content in captured:
-            if not isinstance(content, (types.ModuleType, type)) and _refers_to_tree(content, tree, where, depth + 1):
+    if isinstance(value, types.FunctionType):  # its closure, or a global name, may hold the module
+        for content in captured_values(value):
+            if _refers_to_tree(content, tree, where, depth + 1):
                 raise UnsupportedError(
                     f"activity: the attribute {where} is a function that reaches a module of the argument "
                     f"through a closure or a global name. activity runs a view of the module (the "
@@ -267,6 +268,7 @@ class _ViewPlan:
     n_params: int  # the replaced parameters come first in the call's tensors
     root: int
     redirects: tuple  # (step, keys) to redirect after every view exists
+    step_of: tuple  # (id(module), step) for every module of the tree, torch.compile wrappers included
 
 
 def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
@@ -317,7 +319,9 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
         for i, step in enumerate(steps)
         if isinstance(step, _Copy) and id(step.original_ref()) in module.redirected
     )
-    return _ViewPlan(tuple(steps), tuple(sources), len(module.params) if active else 0, root, redirects)
+    return _ViewPlan(
+        tuple(steps), tuple(sources), len(module.params) if active else 0, root, redirects, tuple(index_of.items())
+    )
 
 
 def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
@@ -350,12 +354,7 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
         views.append(new)
     if plan.redirects:  # after every view exists: a method may refer to a parent
-        by_id = {id(step.original_ref() if isinstance(step, _Copy) else step): view for step, view in zip(plan.steps, views)}
-        optimized = _optimized_module_type()
-        if optimized is not None:
-            for m in module.module.modules():
-                if isinstance(m, optimized):
-                    by_id[id(m)] = by_id.get(id(m._orig_mod), m)
+        by_id = {module_id: views[step] for module_id, step in plan.step_of}
         for step, keys in plan.redirects:
             original, state = plan.steps[step].original_ref(), views[step].__dict__
             for key in keys:
