@@ -11,7 +11,7 @@ from . import _arrays as arrays
 from ._annotations import Annotation
 from ._errors import PreparationMismatchError
 from ._operators._common import Operator, Plan, encode_seeds, operator_of
-from ._problem import _describe, _same_meta, kinds_of, ordinal, parse_arguments
+from ._problem import _describe, _same_meta, kinds_of, parse_arguments
 from ._tree import flatten, leaf_paths
 from .backends import Backend, find_placeholder, placeholders_allowed
 from .backends._base import SignatureChanged

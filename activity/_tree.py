@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
 import sys
+import types
 from typing import Any, Callable
 
 import attrs
@@ -276,3 +278,22 @@ def structure_difference(expected: optree.PyTreeSpec, tree: Any) -> str:
         kinds = (expected.type.__name__ if expected.type else "a leaf", have.type.__name__ if have.type else "a leaf")
         parts.append(f"a {kinds[1]} where a {kinds[0]} is expected" if kinds[0] != kinds[1] else "node types differ")
     return "; ".join(parts)
+
+
+def captured_values(function: Any) -> list:
+    """What a function reaches besides its arguments: the contents of its closure cells and
+    the globals it names (modules and classes apart), or a partial's bound arguments. For
+    checks that a function does not hold something a compiled or copied call cannot follow."""
+    if isinstance(function, functools.partial):
+        return [*function.args, *function.keywords.values()]
+    if not isinstance(function, types.FunctionType):
+        return []
+    captured = []
+    for cell in function.__closure__ or ():
+        try:
+            captured.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            continue
+    names = function.__code__.co_names
+    captured += [function.__globals__[name] for name in names if name in function.__globals__]
+    return [value for value in captured if not isinstance(value, (types.ModuleType, type))]

@@ -12,7 +12,6 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from .. import _arrays as arrays
-from .._arrays import input_basis, output_basis  # noqa: F401  # re-exported for the operators
 from .._errors import UnsupportedError
 from .._problem import Problem, Traced, a, parse_arguments
 from .._tree import flatten, leaf_paths

@@ -7,7 +7,8 @@ from typing import Any, Callable
 from .. import _arrays as arrays
 from .._annotations import Annotation
 from ..backends import Backend
-from ._common import Operator, blocks, call, input_basis, register, start
+from .._arrays import input_basis
+from ._common import Operator, blocks, call, register, start
 
 
 def _build(problem, f, backend, seeds, *, value: bool) -> Callable:

@@ -6,7 +6,8 @@ from typing import Any, Callable
 
 from .._annotations import Annotation
 from ..backends import Backend
-from ._common import Operator, call, input_basis, register, start
+from .._arrays import input_basis
+from ._common import Operator, call, register, start
 
 
 def _build(problem, f, backend, seeds, *, value: bool) -> Callable:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import sys
 import threading
 import types
@@ -16,7 +15,7 @@ import optree
 
 from .. import _arrays as arrays
 from .._problem import STATIC, array_meta, combine, ordinal, partition
-from .._tree import NAMESPACE, flatten, unflatten
+from .._tree import NAMESPACE, captured_values, flatten, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
@@ -375,16 +374,7 @@ def _stale_reason(leaf: Any) -> str | None:
 
 
 def _captures_writable_numpy(function: Any) -> bool:
-    if isinstance(function, functools.partial):
-        captured = [*function.args, *function.keywords.values()]
-    else:
-        captured = []
-        for cell in getattr(function, "__closure__", None) or ():
-            try:
-                captured.append(cell.cell_contents)
-            except ValueError:  # a cell not filled yet
-                pass
-    return any(isinstance(value, np.ndarray) and value.flags.writeable for value in captured)
+    return any(isinstance(value, np.ndarray) and value.flags.writeable for value in captured_values(function))
 
 
 def caller_stacklevel() -> int:

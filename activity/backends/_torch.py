@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import operator
 import sys
 import threading
 import warnings
@@ -224,7 +223,7 @@ class AutoTorch(Backend):
 
         def one(cts: Flat) -> Flat:
             grads = _torch().autograd.grad(outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True)
-            return _zeros_for_unused(grads, xs, F)
+            return _zeros_for_unused(grads, xs, getattr(F, "op_name", None))
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
@@ -292,7 +291,7 @@ class AutoTorch(Backend):
             return second(self, F, xs, ts, batched)
         except (RuntimeError, NotImplementedError) as error:
             if _is_transform_limit(error):  # torch has neither second-order path for an operation in f
-                add_note(error, f"(double backward failed too: {str(first_error).splitlines()[0][:200]})")
+                add_note(error, f"({_HVP_PATHS[first]} failed too: {str(first_error).splitlines()[0][:200]})")
                 add_note(error, _NO_SECOND_ORDER)
             raise
 
@@ -330,12 +329,12 @@ def _rng_state() -> Any:
     return _torch().get_rng_state()
 
 
-def _zeros_for_unused(grads: tuple, xs: Flat, F: Any, lead: tuple = ()) -> Flat:
-    torch = _torch()
+def _zeros_for_unused(grads: tuple, xs: Flat, op_name: str | None) -> Flat:
+    """Zeros where a leaf is unused; an error where every leaf is (the output is cut from them)."""
     if all(g is None for g in grads) and any(arrays.size(x) for x in xs):
-        raise _disconnected(getattr(F, "op_name", None))
+        raise _disconnected(op_name)
     if any(g is None for g in grads):
-        return tuple(torch.zeros(lead + tuple(x.shape), dtype=x.dtype, device=x.device) if g is None else g for g, x in zip(grads, xs))
+        return tuple(_torch().zeros_like(x) if g is None else g for g, x in zip(grads, xs))
     return tuple(grads)
 
 
@@ -504,7 +503,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     ys, aux = F(leaves)
     if not ys[0].requires_grad:
         raise _disconnected(getattr(F, "op_name", None))
-    grads = _zeros_for_unused(torch.autograd.grad(ys[0], leaves, create_graph=True, allow_unused=True), xs, F)
+    grads = _zeros_for_unused(torch.autograd.grad(ys[0], leaves, create_graph=True, allow_unused=True), xs, getattr(F, "op_name", None))
     live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative
 
     def one(tangent: Flat) -> Flat:
@@ -560,12 +559,7 @@ def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:
     (zeros for a leaf ``y`` does not depend on; an error if it depends on none)."""
     if not y.requires_grad:
         raise _disconnected(op_name)
-    grads = _torch().autograd.grad(y, leaves, allow_unused=True)
-    if all(g is None for g in grads):
-        raise _disconnected(op_name)
-    if any(g is None for g in grads):
-        grads = tuple(_torch().zeros_like(x) if g is None else g for g, x in zip(grads, xs))
-    return grads
+    return _zeros_for_unused(_torch().autograd.grad(y, leaves, allow_unused=True), xs, op_name)
 
 
 def _scalar_with_aux(F: FlatFunction) -> Callable:
@@ -585,3 +579,6 @@ def float64_copy(module: ModuleDescription, params: list[Any] | None) -> Any:
         return t.to(torch.float64, copy=True) if t.dtype.is_floating_point else t.clone()
 
     return bound_view(module, params, convert)
+
+
+_HVP_PATHS = {_tape_hvp: "double backward", _forward_over_reverse: "forward over reverse"}  # for messages

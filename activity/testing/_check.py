@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import _arrays as arrays
 from .._annotations import Annotation
-from .._tree import flatten, leaf_paths, unflatten
+from .._tree import flatten, unflatten
 from ..backends import resolve_backend
 from ..backends._finite_differences import AutoFiniteDifferences, ReferencePrecisionWarning
 from ._compare import assert_tree_allclose, to_float64
@@ -153,7 +153,7 @@ def check(
                 if vjp is not None:
                     compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True)
             if "gradient" in chosen:
-                grad = run(f"gradient", lambda: ad.gradient(f, *args, backend=backend))
+                grad = run("gradient", lambda: ad.gradient(f, *args, backend=backend))
                 if grad is not None:
                     compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True)
             if "hvp" in chosen:
