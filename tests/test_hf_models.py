@@ -376,3 +376,42 @@ def test_train_mode_dropout_draws_like_an_eager_forward(name, zoo):
         eval_grads = reference_gradient(copy.deepcopy(model).eval(), batch)
     assert not all(torch.allclose(eval_grads[k], expected[k]) for k in expected), "dropout had no effect"
     assert_gradients_equal(grads, expected)
+
+
+# ---------------------------------------------------------------- as users wrap them
+
+
+def test_compiled_gpt2_is_differentiated_as_its_eager_model():
+    model = build("gpt2")
+    batch = lm_batch(60)
+    expected = reference_gradient(model, batch)
+    compiled = torch.compile(model, backend="eager")
+    before = snapshot(model)
+    grads = ad.gradient(loss, Active(compiled), Constant(batch))
+    assert_gradients_equal(grads, {"_orig_mod." + k: v for k, v in expected.items()})
+    tangent = {k: torch.ones_like(v) for k, v in grads.items()}
+    hvp = ad.hvp(loss, Active(compiled), Constant(batch), tangent=tangent)
+    names, params = zip(*trainable(model))
+    first = torch.autograd.grad(loss(model, batch), params, create_graph=True)
+    second = torch.autograd.grad(first, params, [torch.ones_like(p) for p in params])
+    for name, want in zip(names, second):
+        torch.testing.assert_close(hvp["_orig_mod." + name], want, rtol=1e-4, atol=1e-5)
+    assert_unchanged(model, before)
+
+
+def test_a_hooked_block_forward_in_gpt2_is_followed():
+    """What accelerate does to a submodule: its forward replaced by a partial over a wrapper
+    that calls the old forward (here doubling the block's output)."""
+    import functools
+
+    model = build("gpt2")
+    block = model.transformer.h[0]
+    block._old_forward = block.forward
+
+    def new_forward(module, *args, **kwargs):
+        out = module._old_forward(*args, **kwargs)
+        return (out[0] * 2, *out[1:]) if isinstance(out, tuple) else out * 2
+
+    block.forward = functools.update_wrapper(functools.partial(new_forward, block), block._old_forward)
+    batch = lm_batch(61)
+    assert_gradients_equal(ad.gradient(loss, Active(model), Constant(batch)), reference_gradient(model, batch))
