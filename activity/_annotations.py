@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
+
+T = TypeVar("T")
 
 
 def _refuse_nesting(instance: Any, attribute: Any, value: Any) -> None:
@@ -17,10 +19,10 @@ def _refuse_nesting(instance: Any, attribute: Any, value: Any) -> None:
 
 
 @attrs.frozen(repr=False)
-class Annotation:
+class Annotation(Generic[T]):
     """Base of `Active`, `Constant` and `Cache`: an immutable wrapper of one argument."""
 
-    value: Any = attrs.field(validator=_refuse_nesting)
+    value: T = attrs.field(validator=_refuse_nesting)
     kind: ClassVar[str] = "annotation"
     __activity_leaf__: ClassVar[bool] = True  # never a pytree node: a nested annotation is an error
 
@@ -29,7 +31,7 @@ class Annotation:
 
 
 @attrs.frozen(repr=False)
-class Active(Annotation):
+class Active(Annotation[T]):
     """An argument to differentiate with respect to.
 
     The value is a float scalar, an array, a pytree of them, or a
@@ -47,7 +49,7 @@ class Active(Annotation):
 
 
 @attrs.frozen(repr=False)
-class Constant(Annotation):
+class Constant(Annotation[T]):
     """An argument that is data: passed as-is, never differentiated, never mutated.
 
     Under JIT, array leaves are traced (new data of the same shape never
@@ -64,7 +66,7 @@ class Constant(Annotation):
 
 
 @attrs.frozen(repr=False)
-class Cache(Annotation):
+class Cache(Annotation[T]):
     """Scratch storage ``f`` may overwrite; its initial content does not matter.
 
     ``f`` receives a buffer of the same structure and shape that can hold the

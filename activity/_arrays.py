@@ -105,7 +105,7 @@ def reshape(x: Any, new_shape: tuple[int, ...]) -> Any:
     return x.reshape(new_shape) if hasattr(x, "reshape") else np.reshape(x, new_shape)
 
 
-def stack(xs: list, axis: int = 0) -> Any:
+def stack(xs: list[Any], axis: int = 0) -> Any:
     xp = namespace(xs[0])
     return xp.stack(list(xs), axis) if xp is not sys.modules.get("torch") else xp.stack(list(xs), dim=axis)
 
@@ -124,7 +124,7 @@ def basis(total: int, like: Any) -> Any:
     return namespace(like).eye(total, dtype=like.dtype)
 
 
-def split_columns(matrix: Any, sizes: list[int]) -> list:
+def split_columns(matrix: Any, sizes: list[int]) -> list[Any]:
     """Split the last axis of ``matrix`` into consecutive blocks of ``sizes``."""
     out, start = [], 0
     for n in sizes:
@@ -133,7 +133,7 @@ def split_columns(matrix: Any, sizes: list[int]) -> list:
     return out
 
 
-def concat_flat(xs: list) -> Any:
+def concat_flat(xs: list[Any]) -> Any:
     """Concatenate the flattened leaves ``xs`` (batched over a leading axis) into one matrix."""
     xp = namespace(xs[0])
     parts = [reshape(x, (shape(x)[0], math.prod(shape(x)[1:]))) for x in xs]  # -1 is ambiguous when empty
@@ -187,7 +187,7 @@ def is_placeholder(x: Any) -> bool:
 # Layouts the operators and the backends share (a backend never imports the operator layer).
 
 
-def input_basis(xs: tuple, backend: Any) -> tuple:
+def input_basis(xs: tuple[Any, ...], backend: Any) -> tuple[Any, ...]:
     """One tangent per scalar entry of ``xs``: a batch of ``sum(sizes)`` unit vectors."""
     sizes = [size(x) for x in xs]
     eye = basis(sum(sizes), xs[0])
@@ -198,7 +198,7 @@ def input_basis(xs: tuple, backend: Any) -> tuple:
     )
 
 
-def output_basis(ys: tuple) -> tuple:
+def output_basis(ys: tuple[Any, ...]) -> tuple[Any, ...]:
     sizes = [size(y) for y in ys]
     eye = basis(sum(sizes), ys[0])
     return tuple(

@@ -33,11 +33,11 @@ class Prepared:
     def __init__(
         self,
         plan: Plan,
-        f: Callable,
+        f: Callable[..., Any],
         strict: bool,
         options: dict[str, Any],
         seed_kwargs: dict[str, Any],
-        values: tuple,
+        values: tuple[Any, ...],
         max_signatures: int = MAX_SIGNATURES,
         device_pending: bool = False,
     ):
@@ -64,7 +64,7 @@ class Prepared:
     def __call__(self, *args: Any, **seed_kwargs: Any) -> Any:
         compiled_call = self._compiled_call
         if compiled_call is not None:
-            values: tuple | None = args
+            values: tuple[Any, ...] | None = args
             for arg in args:  # a loop, not any(...): this path is timed against raw jax.jit calls
                 if isinstance(arg, Annotation):
                     kinds, values = kinds_of(args, self._plan.problem.kinds)
@@ -82,7 +82,7 @@ class Prepared:
                         self._local.call = None
         return self._checked_call(args, seed_kwargs)
 
-    def _checked_call(self, args: tuple, seed_kwargs: dict) -> Any:
+    def _checked_call(self, args: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
         plan = self._plan
         problem = plan.problem
         if len(args) != len(problem.kinds):
@@ -125,10 +125,10 @@ class Prepared:
             )
         return plan.run(values, seeds, split)
 
-    def _compile(self, plan: Plan, values: tuple, seed_kwargs: dict) -> Any:
+    def _compile(self, plan: Plan, values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
         return plan.backend.compile_call(plan, values, seed_kwargs, None if self._strict else self._retrace)
 
-    def _refuse_placeholders(self, values: tuple, seed_kwargs: dict) -> None:
+    def _refuse_placeholders(self, values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> None:
         found = next(
             (
                 where
@@ -146,7 +146,7 @@ class Prepared:
                 f"prepared operator with arrays of the prepared shapes and dtypes."
             )
 
-    def _prepare_for_devices(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
+    def _prepare_for_devices(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Plan:
         """The first call after preparing from meta-device tensors: prepared again for its devices."""
         plan = Plan(self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared")
         plan.compile()
@@ -158,7 +158,7 @@ class Prepared:
                 self._compiled_call = compiled
             return self._plan
 
-    def _retrace(self, values: tuple, seed_kwargs: dict) -> Any:
+    def _retrace(self, values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
         """The whole call for another signature, traced into the compiled call from that
         signature's plan (``strict=False``), until the compiled call holds `max_signatures`
         (see `_recompile_if_full`). A failed trace would leave JAX's C++ dispatch on its slow
@@ -177,7 +177,7 @@ class Prepared:
                 self._compiled_signatures -= 1  # nothing was added to the compiled call
             raise
 
-    def _own_values(self, values: tuple, seed_kwargs: dict, key: tuple) -> tuple[tuple, dict]:
+    def _own_values(self, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], key: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[Any, Any]]:
         """The caller's own values for a plan made while JAX traces: inside `jax.jit` the values
         are JAX's rebuild of them, whose dicts have sorted keys, and a plan's results keep
         the key order of the values it was made from."""
@@ -186,7 +186,7 @@ class Prepared:
             return call
         return values, seed_kwargs
 
-    def _recompile_if_full(self, plan: Plan, values: tuple, seed_kwargs: dict) -> Any:
+    def _recompile_if_full(self, plan: Plan, values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
         """A new compiled call, starting from ``plan``, if the current one is full (or None):
         JAX cannot drop one signature from a jitted function, so the whole one goes, and the
         signatures still in use are traced again into the new one when they next come."""
@@ -200,11 +200,11 @@ class Prepared:
                 self._compiled_call, self._compiled_signatures = compiled, 1
         return compiled
 
-    def _key(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> tuple:
+    def _key(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> tuple[Any, ...]:
         """The signature of a call: the arguments' (as `Problem.check` sees them) and the tangents'."""
         return (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs, self.backend))
 
-    def _known_plan(self, key: tuple) -> Plan | None:
+    def _known_plan(self, key: tuple[Any, ...]) -> Plan | None:
         with self._lock:
             for index, (known, plan) in enumerate(self._plans):
                 if _same_key(known, key):
@@ -212,12 +212,12 @@ class Prepared:
                     return plan
         return None
 
-    def _plan_for(self, kinds: tuple, values: tuple, seed_kwargs: dict) -> Plan:
+    def _plan_for(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Plan:
         """The plan for this call's signature (tangents included), prepared on first sight."""
         key = self._key(kinds, values, seed_kwargs)
         return self._known_plan(key) or self._new_plan(kinds, values, seed_kwargs, key)
 
-    def _new_plan(self, kinds: tuple, values: tuple, seed_kwargs: dict, key: tuple) -> Plan:
+    def _new_plan(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], key: tuple[Any, ...]) -> Plan:
         """A plan for a new signature; at most `max_signatures` are kept, the least recently
         used is dropped. Warns once when calls keep bringing new ones."""
         plan = Plan(self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared")
@@ -235,7 +235,7 @@ class Prepared:
             warnings.warn(self._keeps_preparing(previous, key, values), stacklevel=caller_stacklevel())
         return plan
 
-    def _keeps_preparing(self, previous: tuple | None, key: tuple, values: tuple) -> str:
+    def _keeps_preparing(self, previous: tuple[Any, ...] | None, key: tuple[Any, ...], values: tuple[Any, ...]) -> str:
         problem = self._plan.problem
         change = _signature_change(previous, key, values, problem) if previous is not None else "a new signature"
         return (
@@ -247,7 +247,7 @@ class Prepared:
         )
 
 
-def _signature_change(old: tuple, new: tuple, values: tuple, problem: Any) -> str:
+def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...], values: tuple[Any, ...], problem: Any) -> str:
     """What differs between two signature keys, where, e.g. "argument 1 (Constant) at ['x']:
     shape (3, 4) -> (5, 4)" (the first three differences)."""
     (old_args, old_seeds), (new_args, new_seeds) = old, new
@@ -272,7 +272,7 @@ def _signature_change(old: tuple, new: tuple, values: tuple, problem: Any) -> st
     return "; ".join(changes[:3]) + more
 
 
-def leaf_path(problem: Any, values: tuple, position: int, index: int) -> str:
+def leaf_path(problem: Any, values: tuple[Any, ...], position: int, index: int) -> str:
     """The path of a leaf of the signature, for messages (an argument a model library splits
     itself, a Flax NNX module, has leaves in its own order: no path then)."""
     if position in getattr(problem, "adapted", {}):
@@ -281,7 +281,7 @@ def leaf_path(problem: Any, values: tuple, position: int, index: int) -> str:
     return (paths[index] if index < len(paths) else "") or "(the argument itself)"
 
 
-def _meta_change(before: tuple, after: tuple) -> str:
+def _meta_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:
     if before[0] == after[0] and before[0] not in ("static", "module", "placeholder"):
         parts = [
             f"{what} {a} -> {b}"
@@ -298,7 +298,7 @@ def _meta_change(before: tuple, after: tuple) -> str:
     return change
 
 
-def _raw_seed_key(seed_kwargs: dict[str, Any], backend: Backend) -> tuple:
+def _raw_seed_key(seed_kwargs: dict[str, Any], backend: Backend) -> tuple[Any, ...]:
     """Which tangent keyword was given, batch size, structure and leaf layouts (as the backend
     checks them, like the arguments' signature)."""
     key = []
@@ -311,14 +311,14 @@ def _raw_seed_key(seed_kwargs: dict[str, Any], backend: Backend) -> tuple:
     return tuple(key)
 
 
-def _seed_meta(leaf: Any, backend: Backend) -> tuple:
+def _seed_meta(leaf: Any, backend: Backend) -> tuple[Any, ...]:
     """A tangent leaf's meta; a JAX placeholder's is that of the arrays it stands for."""
     if arrays.is_jax_placeholder(leaf):
         return ("jax", tuple(leaf.shape), str(sys.modules["jax"].dtypes.canonicalize_dtype(leaf.dtype)), None)
     return backend.array_meta(leaf)
 
 
-def _same_key(a: tuple, b: tuple) -> bool:
+def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two signature keys are one signature (static leaves compared as `_same_meta` does)."""
     (args_a, seeds_a), (args_b, seeds_b) = a, b
     if len(args_a) != len(args_b) or seeds_a != seeds_b:
@@ -340,7 +340,7 @@ def _seed_mismatch(expected: Any, got: Any, seed: str | None) -> str:
     return f"prepared for {describe(expected)}, called with {describe(got)}."
 
 
-def _placeholder_frameworks(values: tuple, seed_kwargs: dict) -> set[str]:
+def _placeholder_frameworks(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> set[str]:
     leaves, _ = flatten((values, seed_kwargs))
     found = {"jax" if arrays.is_jax_placeholder(leaf) else "torch" for leaf in leaves if arrays.is_placeholder(leaf)}
     if any(arrays.is_torch_module(leaf) and _on_meta(leaf) for leaf in leaves):
@@ -354,12 +354,12 @@ def _on_meta(module: Any) -> bool:
 
 def _plan(
     operator: Operator,
-    f: Callable,
-    kinds: tuple,
-    values: tuple,
+    f: Callable[..., Any],
+    kinds: tuple[Any, ...],
+    values: tuple[Any, ...],
     backend: Backend | None,
-    options: dict,
-    seed_kwargs: dict,
+    options: dict[Any, Any],
+    seed_kwargs: dict[Any, Any],
 ) -> tuple[Plan, bool]:
     """The prepared plan, and whether it was made from torch placeholders (its devices are
     then fixed by the first call). JAX placeholders become tracers of their shape and dtype
@@ -367,7 +367,7 @@ def _plan(
     stand for; nothing is computed from them."""
     placeholders = _placeholder_frameworks(values, seed_kwargs)
 
-    def make(values: tuple, seed_kwargs: dict) -> Plan:
+    def make(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Plan:
         return Plan(operator, f, kinds, values, backend, options, seed_kwargs, "prepared")
 
     if not placeholders:
@@ -386,8 +386,8 @@ def _plan(
 
 
 def prepare(
-    op: Callable | str,
-    f: Callable,
+    op: Callable[..., Any] | str,
+    f: Callable[..., Any],
     *args: Any,
     backend: Backend | None = None,
     strict: bool = True,

@@ -62,7 +62,7 @@ def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[st
     return kinds, tuple(arg.value for arg in args)
 
 
-def array_meta(leaf: Any) -> tuple:
+def array_meta(leaf: Any) -> tuple[Any, ...]:
     """What a prepared operator needs unchanged in an array: framework, shape, dtype (and torch device)."""
     if arrays.is_torch(leaf):
         return ("torch", tuple(leaf.shape), leaf.dtype, leaf.device)  # a meta-device placeholder: device meta
@@ -73,7 +73,7 @@ def array_meta(leaf: Any) -> tuple:
     return (arrays.framework(leaf), arrays.shape(leaf), str(leaf.dtype), None)  # JAX placement is not checked
 
 
-def _describe(meta: tuple) -> str:
+def _describe(meta: tuple[Any, ...]) -> str:
     if meta[0] == "static":
         return f"the value {meta[1]!r:.60}"  # repr tells 2.0 from 2 and "2", which differ here
     if meta[0] == "placeholder":
@@ -87,7 +87,7 @@ def _describe(meta: tuple) -> str:
     return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
 
 
-def _any_device(meta: tuple) -> bool:
+def _any_device(meta: tuple[Any, ...]) -> bool:
     """Whether ``meta`` is a torch placeholder's: a tensor on the meta device fixes shape and dtype only."""
     return meta[0] == "torch" and getattr(meta[3], "type", None) == "meta"
 
@@ -106,7 +106,7 @@ class Traced:
         return combine(aux_dynamic, self.aux_static)
 
 
-def partition(tree: Any) -> tuple[list, tuple]:
+def partition(tree: Any) -> tuple[list[Any], tuple[Any, ...]]:
     """Split ``tree`` into its array leaves and the rest (structure and non-array leaves)."""
     leaves, spec = flatten(tree)
     mask = tuple(arrays.is_array(leaf) for leaf in leaves)
@@ -115,7 +115,7 @@ def partition(tree: Any) -> tuple[list, tuple]:
     return dynamic, (spec, mask, static)
 
 
-def combine(dynamic: Sequence[Any], static: tuple) -> Any:
+def combine(dynamic: Sequence[Any], static: tuple[Any, ...]) -> Any:
     spec, mask, static_leaves = static
     it = iter(dynamic)
     return unflatten(spec, [next(it) if is_arr else leaf for is_arr, leaf in zip(mask, static_leaves)])
@@ -128,10 +128,10 @@ class Problem:
         self.op_name = op_name
         self.kinds = kinds
         self.backend = backend
-        self.specs: list = []
+        self.specs: list[Any] = []
         self.roles: list[tuple[str, ...]] = []
-        self.statics: list[tuple] = []
-        self.signature: list[tuple] = []
+        self.statics: list[tuple[Any, ...]] = []
+        self.signature: list[tuple[Any, ...]] = []
         self.diff_shapes: list[tuple[int, ...]] = []  # shapes of the flat differentiated leaves
         self.diff_dtypes: list[Any] = []
         self.diff_frameworks: set[str | None] = set()
@@ -141,7 +141,7 @@ class Problem:
         self.arrays_only = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
-        self.adapted: dict[int, tuple] = {}
+        self.adapted: dict[int, tuple[Any, ...]] = {}
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
         self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
@@ -231,15 +231,15 @@ class Problem:
 
     # --------------------------------------------------------------- per call
 
-    def split(self, values: Sequence[Any], kinds: Sequence[str] | None = None) -> tuple[tuple, tuple] | None:
+    def split(self, values: Sequence[Any], kinds: Sequence[str] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         """The differentiated leaves and the per-call context leaves of ``values``.
 
         With ``kinds``, also check ``values`` against the prepared signature in
         the same pass, and return None on any difference (`explain_mismatch`
         then says what differs).
         """
-        xs: list = []
-        ctx: list = []
+        xs: list[Any] = []
+        ctx: list[Any] = []
         check = kinds is not None
         as_array, meta_of = self.backend.as_array, self.backend.array_meta
         for position, (value, roles) in enumerate(zip(values, self.roles)):
@@ -285,7 +285,7 @@ class Problem:
                     return None
         return tuple(xs), tuple(ctx)
 
-    def check(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple:
+    def check(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple[Any, ...]:
         """The signature of ``values`` (for preparation checks and caches)."""
         signature = []
         for position, (kind, value) in enumerate(zip(kinds, values)):
@@ -331,7 +331,7 @@ class Problem:
                     return f"{ordinal(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
         return None
 
-    def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list | None, Any]:
+    def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list[Any] | None, Any]:
         """The leaves of an argument a model library splits itself (see `_conventions`); None
         (with ``check``) where ``value`` is not a model of the prepared kind and graph."""
         adapter, static = self.adapted[position][:2]
@@ -345,12 +345,12 @@ class Problem:
     # ------------------------------------------------------ inside the transform
 
     def function(
-        self, f: Callable, ctx: tuple, traced: Traced, *, has_aux: bool = False, scalar: bool = False
-    ) -> Callable[[tuple], tuple[tuple, Any]]:
+        self, f: Callable[..., Any], ctx: tuple[Any, ...], traced: Traced, *, has_aux: bool = False, scalar: bool = False
+    ) -> Callable[[tuple[Any, ...]], tuple[tuple[Any, ...], Any]]:
         """``F(xs) -> (output leaves, dynamic part of aux)``: f with its arguments rebuilt from leaves."""
         op_name = self.op_name
 
-        def F(xs: tuple) -> tuple[tuple, Any]:
+        def F(xs: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
             out = self.call(f, self.rebuild(xs, ctx))
             if has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
@@ -371,7 +371,7 @@ class Problem:
         F.key = (f, (("has_aux", has_aux), ("scalar", scalar)))  # type: ignore[attr-defined]  # how to make it again
         return F
 
-    def call(self, f: Callable, values: Sequence[Any]) -> Any:
+    def call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         """``f(*values)``; an error it raises keeps its type and traceback, with a note saying where."""
         try:
             return f(*values)
@@ -379,7 +379,7 @@ class Problem:
             add_note(error, f"(raised by f inside activity.{self.op_name} with backend {self.backend!r})")
             raise
 
-    def output_leaves(self, out: Any, scalar: bool) -> tuple[tuple, Any]:
+    def output_leaves(self, out: Any, scalar: bool) -> tuple[tuple[Any, ...], Any]:
         """The array leaves of f's output ``out`` (a float becomes an array) and its structure, checked."""
         if arrays.is_array(out):  # the usual output, without a tree walk
             ys, spec = [out], LEAF
@@ -388,7 +388,7 @@ class Problem:
         self._check_output(out, ys, scalar)
         return tuple(map(self.backend.as_array, ys)), spec
 
-    def _check_output(self, out: Any, ys: list, scalar: bool) -> None:
+    def _check_output(self, out: Any, ys: list[Any], scalar: bool) -> None:
         if not ys:
             raise TypeError(
                 f"activity.{self.op_name}: f returned {out!r:.60}, which holds no array. "
@@ -409,7 +409,7 @@ class Problem:
                 f"Reduce the output (e.g. .sum() or .mean()), or use activity.jacobian for non-scalar outputs."
             )
 
-    def rebuild(self, xs: tuple, ctx: tuple) -> list:
+    def rebuild(self, xs: tuple[Any, ...], ctx: tuple[Any, ...]) -> list[Any]:
         """``f``'s arguments, built from the flat leaves inside the current transform."""
         backend = self.backend
         if backend.copies_inputs:  # f may write into what it gets: every evaluation starts afresh
@@ -464,7 +464,7 @@ class Problem:
             results.append(result)
         return results[0] if len(results) == 1 else tuple(results)
 
-    def flat_like_active(self, tree: Any, what: str) -> tuple:
+    def flat_like_active(self, tree: Any, what: str) -> tuple[Any, ...]:
         """The inverse of `like_active` for a user's tangent: its differentiated leaves, checked."""
         parts = (tree,) if len(self.active_positions) == 1 else tree
         if len(self.active_positions) > 1 and (not isinstance(parts, (tuple, list)) or len(parts) != len(self.active_positions)):
@@ -538,7 +538,7 @@ def _difference(expected: Any, tree: Any) -> str:
     return difference
 
 
-def _same_meta(expected: tuple, actual: tuple) -> bool:
+def _same_meta(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> bool:
     if expected[0] == "static" and actual[0] == "static":
         # Static values match by type and equality: 2 and 2.0 (or 1 and True) are different
         # signatures, as f may treat them differently. The same object always matches itself,

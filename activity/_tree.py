@@ -46,7 +46,7 @@ def _jax_registered(value: Any) -> bool:
 def _register_jax_node(cls: type) -> None:
     import jax
 
-    def flatten(node: Any) -> tuple[list, Any, tuple]:
+    def flatten(node: Any) -> tuple[list[Any], Any, tuple[Any, ...]]:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda n: n is not node)
         entries = tuple(jax.tree_util.keystr(path) for path, _ in pairs)
         return [child for _, child in pairs], treedef, entries
@@ -68,7 +68,7 @@ def _torch_node(cls: type) -> Any:
 
 
 def _register_torch_node(cls: type, node: Any) -> None:
-    def flatten(value: Any) -> tuple[list, _Context, tuple]:
+    def flatten(value: Any) -> tuple[list[Any], _Context, tuple[Any, ...]]:
         if node.flatten_with_keys_fn is None:
             children, context = node.flatten_fn(value)
             entries = tuple(f"[{index}]" for index in range(len(children)))
@@ -125,7 +125,7 @@ def _register_fields_node(cls: type, fields: list[tuple[str, bool]]) -> None:
     """``cls`` flattened field by field; ``fields`` are (name, taken by __init__)."""
     names = tuple(name for name, _ in fields)
 
-    def flatten(node: Any) -> tuple[list, None, tuple]:
+    def flatten(node: Any) -> tuple[list[Any], None, tuple[Any, ...]]:
         return [getattr(node, name) for name in names], None, tuple("." + name for name in names)
 
     build = _builder(cls, fields)
@@ -170,7 +170,7 @@ def _register_mapping_node(cls: type) -> None:
     constructor with the items as keywords (the only way to fill both its fields and its
     items; a Hugging Face ModelOutput unknown to torch's pytree is rebuilt the same way)."""
 
-    def flatten(node: Any) -> tuple[list, tuple, tuple]:
+    def flatten(node: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
         keys = tuple(node.keys())
         for key in keys:
             if not isinstance(key, str):
@@ -182,7 +182,7 @@ def _register_mapping_node(cls: type) -> None:
                 )
         return [node[key] for key in keys], keys, tuple(f"[{key!r}]" for key in keys)
 
-    def unflatten(keys: tuple, children: Any) -> Any:
+    def unflatten(keys: tuple[Any, ...], children: Any) -> Any:
         return cls(**dict(zip(keys, children)))
 
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
@@ -227,7 +227,7 @@ def _learn_type(value: Any) -> bool:
 LEAF = optree.tree_structure(0, namespace=NAMESPACE)  # the structure of any single leaf
 
 
-def flatten(tree: Any) -> tuple[list, optree.PyTreeSpec]:
+def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Leaves and structure of ``tree``; ``None`` is an empty node, not a leaf."""
     while True:
         leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
@@ -280,7 +280,7 @@ def structure_difference(expected: optree.PyTreeSpec, tree: Any) -> str:
     return "; ".join(parts)
 
 
-def captured_values(function: Any) -> list:
+def captured_values(function: Any) -> list[Any]:
     """What a function reaches besides its arguments: the contents of its closure cells and
     the globals it names (modules and classes apart), or a partial's bound arguments. For
     checks that a function does not hold something a compiled or copied call cannot follow."""

@@ -24,7 +24,7 @@ class Operator:
     """One operator: its name, what its pipeline needs, and how to build the pipeline."""
 
     name: str
-    build: Callable[..., Callable]  # build(problem, f, backend, seeds, **options) -> pipeline
+    build: Callable[..., Callable[..., Any]]  # build(problem, f, backend, seeds, **options) -> pipeline
     seed: str | None = None  # "tangent" or "cotangent": the per-call vector the operator takes
     scalar_input: bool = False
 
@@ -33,12 +33,12 @@ class Operator:
 class Seeds:
     """The tangents or cotangents of one call: flat leaves, whether batched, and the static part."""
 
-    leaves: tuple
+    leaves: tuple[Any, ...]
     batch: int | None  # None for a single tangent; the batch size for `tangents=[...]`
     spec: Any = None  # cotangents: the output structure they were given in
 
     @property
-    def key(self) -> tuple:
+    def key(self) -> tuple[Any, ...]:
         return (self.batch, self.spec)
 
 
@@ -56,7 +56,7 @@ def operator_of(op: Any) -> Operator:
     return REGISTRY[name]
 
 
-def register(operator: Operator, function: Callable) -> Callable:
+def register(operator: Operator, function: Callable[..., Any]) -> Callable[..., Any]:
     REGISTRY[operator.name] = operator
     function.__activity_operator__ = operator.name  # type: ignore[attr-defined]
     return function
@@ -97,7 +97,7 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     return Seeds(stack_batch([leaves for leaves, _ in encoded]), len(batch), encoded[0][1])
 
 
-def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple, Any]:
+def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple[Any, ...], Any]:
     leaves, spec = flatten(tree)
     for index, leaf in enumerate(leaves):
         if not (arrays.is_array(leaf) or isinstance(leaf, float)) or arrays.dtype_kind(leaf) != "f":
@@ -116,7 +116,7 @@ class Plan:
     def __init__(
         self,
         operator: Operator,
-        f: Callable,
+        f: Callable[..., Any],
         kinds: tuple[str, ...],
         values: tuple[Any, ...],
         backend: Backend | None,
@@ -139,7 +139,7 @@ class Plan:
         self.seed_key = None if self.seeds is None else self.seeds.key
         self.pipeline = self.source_pipeline = operator.build(self.problem, f, backend, self.seeds, **options)
 
-    def _check_scalar_inputs(self, values: tuple) -> None:
+    def _check_scalar_inputs(self, values: tuple[Any, ...]) -> None:
         problem = self.problem
         for position in problem.active_positions:
             leaves, _ = flatten(values[position])
@@ -155,26 +155,26 @@ class Plan:
         self.pipeline = self.backend.compile(self.pipeline)
         return self
 
-    def direct(self) -> Callable[[tuple, dict], Any]:
+    def direct(self) -> Callable[[tuple[Any, ...], dict[Any, Any]], Any]:
         """The whole call, checks and split included, as one function of the arguments'
         values and the seed keywords: what `Backend.compile_call` compiles end to end."""
         operator, problem, pipeline, finalize = self.operator, self.problem, self.source_pipeline, self.backend.finalize
 
-        def whole_call(values: tuple, seed_kwargs: dict) -> Any:
+        def whole_call(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
             seeds = encode_seeds(operator, problem, seed_kwargs)
             xs, ctx = problem.split(values)
             return finalize(pipeline(xs, ctx, None if seeds is None else seeds.leaves), problem)
 
         return whole_call
 
-    def run(self, values: tuple, seeds: Seeds | None, split: tuple | None = None) -> Any:
+    def run(self, values: tuple[Any, ...], seeds: Seeds | None, split: tuple[Any, ...] | None = None) -> Any:
         xs, ctx = split if split is not None else self.problem.split(values)
         extra = None if seeds is None else seeds.leaves
         with self.backend.context():
             return self.backend.finalize(self.pipeline(xs, ctx, extra), self.problem)
 
 
-def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend | None, options: dict, seed_kwargs: dict) -> Any:
+def call(operator: Operator, f: Callable[..., Any], args: Sequence[Any], backend: Backend | None, options: dict[Any, Any], seed_kwargs: dict[Any, Any]) -> Any:
     """An unprepared call: plan, then run."""
     kinds, values = parse_arguments(operator.name, f, args)
     plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
@@ -184,14 +184,14 @@ def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend 
 # ------------------------------------------------------------------ pipeline helpers
 
 
-def start(problem: Problem, f: Callable, backend: Backend, xs: tuple, ctx: tuple, **flags: Any) -> tuple:
+def start(problem: Problem, f: Callable[..., Any], backend: Backend, xs: tuple[Any, ...], ctx: tuple[Any, ...], **flags: Any) -> tuple[Any, ...]:
     """The first lines of every pipeline: convert inputs, make ``F``."""
     xs, ctx = backend.convert_inputs(xs, ctx)
     traced = Traced()
     return xs, traced, backend.wrap_function(problem.function(f, ctx, traced, **flags), xs)
 
 
-def blocks(batched: Any, sizes: list[int], shapes: list[tuple], inner_shape: tuple, inner_first: bool) -> list:
+def blocks(batched: Any, sizes: list[int], shapes: list[tuple[Any, ...]], inner_shape: tuple[Any, ...], inner_first: bool) -> list[Any]:
     """Cut the leading batch axis of ``batched`` into one block per leaf of ``shapes``.
 
     Each block has shape ``shape + inner_shape`` (``inner_first=False``) or

@@ -10,7 +10,7 @@ from .._arrays import input_basis
 from ._common import Operator, call, register, start
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     n = len(problem.diff_shapes)
 
     def pipeline(xs, ctx, extra):
@@ -22,7 +22,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -> Any:
+def derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """Derivative of ``f``'s output with respect to scalar Active arguments.
 
     The output may be any array or pytree; the result has its structure. With
@@ -36,7 +36,7 @@ def derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -
     return call(DERIVATIVE, f, args, backend, {}, {})
 
 
-def value_and_derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -> tuple[Any, Any]:
+def value_and_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> tuple[Any, Any]:
     """``(f(*values), derivative)``; see `derivative`.
 
     >>> import jax.numpy as jnp

@@ -9,7 +9,7 @@ from ..backends import Backend
 from ._common import Operator, call, register, start, with_value
 
 
-def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable[..., Any]:
     def pipeline(xs, ctx, extra):
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux, scalar=True)
         ys, aux, grads = backend.value_and_grad(F, xs)
@@ -19,7 +19,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
     return pipeline
 
 
-def gradient(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False) -> Any:
+def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any:
     """Gradient of a scalar ``f`` with respect to its Active arguments.
 
     One Active argument: a result of its structure; several: a tuple. A
@@ -38,7 +38,7 @@ def gradient(f: Callable, *args: Annotation, backend: Backend | None = None, has
 
 
 def value_and_gradient(
-    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
 ) -> tuple[Any, Any]:
     """``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.
 

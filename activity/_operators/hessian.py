@@ -11,7 +11,7 @@ from .._arrays import input_basis
 from ._common import Operator, blocks, call, register, start
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     def pipeline(xs, ctx, extra):
         xs, traced, F = start(problem, f, backend, xs, ctx, scalar=True)
         shapes = [arrays.shape(x) for x in xs]
@@ -29,7 +29,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def hessian(f: Callable, *args: Annotation, backend: Backend | None = None) -> Any:
+def hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """Hessian of a scalar ``f`` in `jax.hessian`'s layout (input structure twice,
     leaves of shape ``shape_i + shape_j``); a tuple of tuples for several Active arguments.
 
@@ -42,7 +42,7 @@ def hessian(f: Callable, *args: Annotation, backend: Backend | None = None) -> A
     return call(HESSIAN, f, args, backend, {}, {})
 
 
-def value_gradient_and_hessian(f: Callable, *args: Annotation, backend: Backend | None = None) -> tuple[Any, Any, Any]:
+def value_gradient_and_hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> tuple[Any, Any, Any]:
     """``(value, gradient, hessian)``.
 
     >>> import jax.numpy as jnp

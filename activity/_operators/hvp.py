@@ -9,7 +9,7 @@ from ..backends import Backend
 from ._common import Operator, call, per_seed, register, start
 
 
-def _build(problem, f, backend, seeds, *, with_gradient: bool) -> Callable:
+def _build(problem, f, backend, seeds, *, with_gradient: bool) -> Callable[..., Any]:
     def pipeline(xs, ctx, ts):
         xs, traced, F = start(problem, f, backend, xs, ctx, scalar=True)
         _, grads, _, hvps = backend.value_and_hvp(F, xs, ts, seeds.batch is not None)
@@ -19,7 +19,7 @@ def _build(problem, f, backend, seeds, *, with_gradient: bool) -> Callable:
     return pipeline
 
 
-def hvp(f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
+def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
     """Hessian-vector product of a scalar ``f`` along ``tangent`` (a list for ``tangents=[...]``).
 
     >>> import jax.numpy as jnp
@@ -31,7 +31,7 @@ def hvp(f: Callable, *args: Annotation, backend: Backend | None = None, tangent:
 
 
 def gradient_and_hvp(
-    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
 ) -> tuple[Any, Any]:
     """``(gradient, hvp)``.
 

@@ -11,7 +11,7 @@ from .._arrays import input_basis, output_basis
 from ._common import Operator, blocks, call, register, start, with_value
 
 
-def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable[..., Any]:
     def pipeline(xs, ctx, extra):
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux)
         in_shapes = [arrays.shape(x) for x in xs]
@@ -38,7 +38,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
     return pipeline
 
 
-def jacobian(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False) -> Any:
+def jacobian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any:
     """Jacobian of ``f`` in `jax.jacobian`'s layout: output structure, then input structure,
     each leaf of shape ``output_shape + input_shape``.
 
@@ -52,7 +52,7 @@ def jacobian(f: Callable, *args: Annotation, backend: Backend | None = None, has
 
 
 def value_and_jacobian(
-    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
 ) -> tuple[Any, Any]:
     """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
 

@@ -11,7 +11,7 @@ from ..backends import Backend
 from ._common import Operator, call, per_seed, register, start
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     batched = seeds.batch is not None
 
     def pipeline(xs, ctx, cts):
@@ -25,7 +25,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def _checked(problem, traced, seeds, cts, ys) -> tuple:
+def _checked(problem, traced, seeds, cts, ys) -> tuple[Any, ...]:
     what = "cotangent" if seeds.batch is None else "cotangents[i]"
     if seeds.spec != traced.out_spec:
         raise ValueError(
@@ -44,7 +44,7 @@ def _checked(problem, traced, seeds, cts, ys) -> tuple:
 
 
 def pullback(
-    f: Callable, *args: Annotation, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
 ) -> Any:
     """The cotangent pulled back to the Active arguments (a VJP), or a list for ``cotangents=[...]``.
 
@@ -60,7 +60,7 @@ def pullback(
 
 
 def value_and_pullback(
-    f: Callable, *args: Annotation, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
 ) -> tuple[Any, Any]:
     """``(value, pullback)``.
 

@@ -9,7 +9,7 @@ from ..backends import Backend
 from ._common import Operator, call, per_seed, register, start
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     def pipeline(xs, ctx, ts):
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, _, dys = backend.jvp(F, xs, ts, seeds.batch is not None)
@@ -20,7 +20,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
 
 
 def pushforward(
-    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
 ) -> Any:
     """The output tangent of ``f`` along ``tangent`` (a JVP), or a list for ``tangents=[...]``.
 
@@ -37,7 +37,7 @@ def pushforward(
 
 
 def value_and_pushforward(
-    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
 ) -> tuple[Any, Any]:
     """``(value, pushforward)``.
 

@@ -10,7 +10,7 @@ from .._arrays import input_basis
 from ._common import Operator, call, register, start
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
+def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     n = len(problem.diff_shapes)
 
     def pipeline(xs, ctx, extra):
@@ -30,7 +30,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def second_derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -> Any:
+def second_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """Second derivative of ``f``'s output with respect to scalar Active arguments.
 
     With several Active scalars, a tuple of tuples (``[i][j]`` is d2/dxi dxj).
@@ -44,7 +44,7 @@ def second_derivative(f: Callable, *args: Annotation, backend: Backend | None = 
 
 
 def value_derivative_and_second_derivative(
-    f: Callable, *args: Annotation, backend: Backend | None = None
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None
 ) -> tuple[Any, Any, Any]:
     """``(value, derivative, second_derivative)``.
 

@@ -19,7 +19,7 @@ from .._operators._names import OPERATORS
 from .._problem import array_meta
 
 # F(xs) -> (output leaves, dynamic aux). `pull(cts, batched)` -> gradients like xs.
-Flat = tuple
+Flat = tuple[Any, ...]
 FlatFunction = Callable[[Flat], "tuple[Flat, Any]"]
 
 NO_CONTEXT = contextlib.nullcontext()  # reusable; entered on every call, so made once
@@ -70,7 +70,7 @@ class Backend:
         """A user's tangent leaf, in the dtype of the value it perturbs."""
         return leaf
 
-    def array_meta(self, leaf: Any) -> tuple:
+    def array_meta(self, leaf: Any) -> tuple[Any, ...]:
         """What a prepared operator checks of a leaf (framework, shape, dtype, device)."""
         return array_meta(leaf)
 
@@ -102,7 +102,7 @@ class Backend:
 
     # -- execution ------------------------------------------------------------
 
-    def context(self) -> contextlib.AbstractContextManager:
+    def context(self) -> contextlib.AbstractContextManager[Any]:
         """Entered around every call (grad mode, precision)."""
         return NO_CONTEXT
 
@@ -126,12 +126,12 @@ class Backend:
         """``F`` as the primitives will call it (finite differences compile it once on JAX inputs)."""
         return F
 
-    def compile(self, pipeline: Callable) -> Callable:
+    def compile(self, pipeline: Callable[..., Any]) -> Callable[..., Any]:
         """Turn a pipeline into its prepared form (JIT, where the backend has one)."""
         return pipeline
 
     def compile_call(
-        self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
+        self, plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None = None
     ) -> "CompiledCall | None":
         """A prepared call specialised end to end for ``plan``'s signature, or None.
 
@@ -215,5 +215,5 @@ class SignatureChanged(Exception):
 class CompiledCall:
     """A prepared call specialised by a backend, and the exceptions by which it declines one."""
 
-    call: Callable
+    call: Callable[..., Any]
     misses: tuple[type[BaseException], ...] = (SignatureChanged,)

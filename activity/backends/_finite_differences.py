@@ -38,7 +38,7 @@ def _max_abs(leaves: Flat) -> float:
     return math.inf if math.isnan(largest) else largest
 
 
-def _positive(name: str, hint: str) -> Callable:
+def _positive(name: str, hint: str) -> Callable[..., Any]:
     def check(instance: Any, attribute: Any, value: Any) -> None:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ValueError(f"AutoFiniteDifferences({name}={value!r}): must be a finite number > 0 ({hint}).")
@@ -54,7 +54,7 @@ def _greater_than_one(instance: Any, attribute: Any, value: Any) -> None:
         )
 
 
-def _count(name: str, least: int, why: str) -> Callable:
+def _count(name: str, least: int, why: str) -> Callable[..., Any]:
     def check(instance: Any, attribute: Any, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"AutoFiniteDifferences({name}={value!r}): must be an integer >= {least} ({why}).")
@@ -127,7 +127,7 @@ class AutoFiniteDifferences(Backend):
 
         return float64_copy(module, params)
 
-    def context(self) -> contextlib.AbstractContextManager:
+    def context(self) -> contextlib.AbstractContextManager[Any]:
         if "jax" not in sys.modules:
             return contextlib.nullcontext()
         return sys.modules["jax"].enable_x64(True)
@@ -258,7 +258,7 @@ class AutoFiniteDifferences(Backend):
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         xs = _for(F, xs)
         ys, aux = F(xs)
-        jacobian: list = []  # (sum of output sizes, sum of input sizes), built on first pull
+        jacobian: list[Any] = []  # (sum of output sizes, sum of input sizes), built on first pull
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not jacobian:
@@ -289,7 +289,7 @@ class _Compiled:
     traced: Any = None
 
 
-_COMPILED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
 
 
 def _compiled_for(F: Any) -> _Compiled:

@@ -47,7 +47,7 @@ class AutoJAX(Backend):
     def as_tangent(self, leaf: Any, dtype: Any) -> Any:
         return _jax().numpy.asarray(leaf, dtype=dtype)
 
-    def array_meta(self, leaf: Any) -> tuple:
+    def array_meta(self, leaf: Any) -> tuple[Any, ...]:
         # A numpy array is what `jax.jit` makes of it: a JAX array of the canonical dtype
         # (float64 becomes float32 unless x64 is enabled), so it is accepted where a JAX
         # array of that shape and dtype was prepared, as `jax.jit` accepts it.
@@ -66,7 +66,7 @@ class AutoJAX(Backend):
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         jax = _jax()
 
-        def one(tangent: Flat) -> tuple:
+        def one(tangent: Flat) -> tuple[Any, ...]:
             return jax.jvp(F, (xs,), (tangent,), has_aux=True)
 
         if not batched:
@@ -87,14 +87,14 @@ class AutoJAX(Backend):
         return ys, aux, pull
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
-        def scalar(xs_: Flat) -> tuple[Any, tuple]:
+        def scalar(xs_: Flat) -> tuple[Any, tuple[Any, ...]]:
             ys, aux = F(xs_)
             return ys[0], (ys, aux)
 
         (_, (ys, aux)), grads = _jax().value_and_grad(scalar, has_aux=True)(xs)
         return ys, aux, grads
 
-    def compile(self, pipeline: Callable) -> Callable:
+    def compile(self, pipeline: Callable[..., Any]) -> Callable[..., Any]:
         # One jit of the whole pipeline, which `compile_call` traces and compiles ahead where
         # calls take the generic path; its result leaves JAX in activity's own structure.
         jitted = _jax().jit(_with_static_output(pipeline, {}))
@@ -106,7 +106,7 @@ class AutoJAX(Backend):
         return run
 
     def compile_call(
-        self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
+        self, plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None = None
     ) -> CompiledCall | None:
         # `jax.jit` of the whole call, arguments as the user passes them: JAX
         # flattens them and finds the compiled code in C++, so a prepared call
@@ -140,7 +140,7 @@ class AutoJAX(Backend):
 _MISSES = (SignatureChanged, TypeError, ValueError)
 
 
-def _sealed_jit(plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None) -> tuple | None:
+def _sealed_jit(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None) -> tuple[Any, ...] | None:
     """``jax.jit`` of the whole call (`Plan.direct`), traced and compiled for ``values``
     (never run), then sealed: a later trace is for other arguments, traced from ``retrace``
     or, without it, only if they have the prepared signature as activity sees it (say, a
@@ -159,7 +159,7 @@ def _sealed_jit(plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable |
             raise SignatureChanged
         return call(values, seed_kwargs)
 
-    rebuilt: dict = {}
+    rebuilt: dict[Any, Any] = {}
     jitted = _jax().jit(_with_static_output(whole, rebuilt))
     try:
         # Traced and compiled, not run (the values may be placeholders); calls share JAX's
@@ -171,12 +171,12 @@ def _sealed_jit(plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable |
     return jitted, rebuilt.get("first", True)
 
 
-def _same_signature(plan: Any) -> Callable[[tuple, dict], bool]:
+def _same_signature(plan: Any) -> Callable[[tuple[Any, ...], dict[Any, Any]], bool]:
     from .._operators._common import encode_seeds  # the operators import the backends
 
     problem = plan.problem
 
-    def same(values: tuple, seed_kwargs: dict) -> bool:
+    def same(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> bool:
         if len(values) != len(problem.kinds) or problem.split(values, problem.kinds) is None:
             return False
         seeds = encode_seeds(plan.operator, problem, seed_kwargs)
@@ -185,7 +185,7 @@ def _same_signature(plan: Any) -> Callable[[tuple, dict], bool]:
     return same
 
 
-def _with_static_output(function: Callable, rebuilt: dict) -> Callable:
+def _with_static_output(function: Callable[..., Any], rebuilt: dict[Any, Any]) -> Callable[..., Any]:
     """``function``, its result made such that `jax.jit` gives it back exactly as built.
 
     JAX rebuilds a jitted function's result with its own pytrees, which sort dict keys
@@ -219,7 +219,7 @@ class _Output:
 
     __slots__ = ("dynamic", "static")
 
-    def __init__(self, dynamic: list, static: Any):
+    def __init__(self, dynamic: list[Any], static: Any):
         self.dynamic = dynamic
         self.static = static if isinstance(static, _Static) else _Static(static)
 
@@ -230,7 +230,7 @@ class _Static:
 
     __slots__ = ("value", "arrays_only")
 
-    def __init__(self, value: tuple):
+    def __init__(self, value: tuple[Any, ...]):
         self.value = value  # `partition`'s static part: (structure, which leaves are arrays, the others)
         self.arrays_only = all(value[1])
 
@@ -270,7 +270,7 @@ def _same_layout(built: Any, rebuilt: Any) -> bool:
     return len(children) == len(others) and all(map(_same_layout, children, others))
 
 
-def with_abstract_arrays(fn: Callable, *trees: Any, placeholders_only: bool = False) -> Any:
+def with_abstract_arrays(fn: Callable[..., Any], *trees: Any, placeholders_only: bool = False) -> Any:
     """``fn(*trees)`` evaluated abstractly (`jax.eval_shape`): each JAX placeholder leaf of
     ``trees`` (and, unless ``placeholders_only``, each numpy or JAX array) becomes a tracer
     of its shape and dtype, other leaves are passed as they are; ``fn``'s result comes back
@@ -282,7 +282,7 @@ def with_abstract_arrays(fn: Callable, *trees: Any, placeholders_only: bool = Fa
         if arrays.is_jax_placeholder(leaf) or (not placeholders_only and arrays.framework(leaf) in ("numpy", "jax"))
     ]
 
-    def on_tracers(abstract: list) -> Any:
+    def on_tracers(abstract: list[Any]) -> Any:
         filled = list(leaves)
         for index, leaf in zip(where, abstract):
             filled[index] = leaf
@@ -291,7 +291,7 @@ def with_abstract_arrays(fn: Callable, *trees: Any, placeholders_only: bool = Fa
     return _jax().eval_shape(on_tracers, [leaves[index] for index in where])
 
 
-def _compile_ahead(plan: Any, values: tuple, seed_kwargs: dict) -> None:
+def _compile_ahead(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> None:
     """Trace and compile ``plan``'s jitted pipeline for the signature of ``values`` (arrays
     or placeholders) without running it, so that the first call finds it compiled."""
     jitted = getattr(plan.pipeline, "jitted", None)
@@ -301,7 +301,7 @@ def _compile_ahead(plan: Any, values: tuple, seed_kwargs: dict) -> None:
 
     problem, operator = plan.problem, plan.operator
 
-    def inputs(values: tuple, seed_kwargs: dict) -> tuple:
+    def inputs(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> tuple[Any, ...]:
         seeds = encode_seeds(operator, problem, seed_kwargs)
         xs, ctx = problem.split(values)
         return xs, ctx, None if seeds is None else seeds.leaves
@@ -315,7 +315,7 @@ def _compile_ahead(plan: Any, values: tuple, seed_kwargs: dict) -> None:
 # ------------------------------------------------------------------ static leaves
 
 
-def _warn_of_stale_statics(plan: Any, values: tuple) -> None:
+def _warn_of_stale_statics(plan: Any, values: tuple[Any, ...]) -> None:
     """Warn, once at prepare, of each static leaf whose changes the compiled call cannot see."""
     problem = plan.problem
     for position, (roles, statics) in enumerate(zip(problem.roles, problem.statics)):

@@ -75,7 +75,7 @@ class SecondOrder(Backend):
     def fresh_cache(self, leaf: Any, like: Any) -> Any:
         return self.inner.fresh_cache(leaf, like)
 
-    def array_meta(self, leaf: Any) -> tuple:
+    def array_meta(self, leaf: Any) -> tuple[Any, ...]:
         return self.inner.array_meta(leaf)
 
     def cast_result(self, value: Any, dtype: Any) -> Any:
@@ -90,7 +90,7 @@ class SecondOrder(Backend):
         return self.outer.bind_module(module, params)
 
     # The outer backend owns precision and compilation of the whole pipeline.
-    def context(self) -> contextlib.AbstractContextManager:
+    def context(self) -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
         stack.enter_context(self.outer.context())
         stack.enter_context(self.inner.context())
@@ -108,12 +108,12 @@ class SecondOrder(Backend):
     def finalize(self, result: Any, problem: Any) -> Any:
         return self.outer.finalize(self.inner.finalize(result, problem), problem)
 
-    def compile(self, pipeline: Callable) -> Callable:
+    def compile(self, pipeline: Callable[..., Any]) -> Callable[..., Any]:
         if type(self.outer) is type(self.inner):
             return self.outer.compile(pipeline)
         return pipeline
 
-    def compile_call(self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None) -> Any:
+    def compile_call(self, plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None = None) -> Any:
         if type(self.outer) is type(self.inner):
             return self.outer.compile_call(plan, values, seed_kwargs, retrace)
         return None

@@ -89,7 +89,7 @@ def _disconnected(op_name: str | None) -> ValueError:
     )
 
 
-def _in_choices(name: str, choices: tuple) -> Callable[[Any, Any, Any], None]:
+def _in_choices(name: str, choices: tuple[Any, ...]) -> Callable[[Any, Any, Any], None]:
     def check(instance: Any, attribute: Any, value: Any) -> None:
         if value not in choices:
             raise ValueError(f"AutoTorch({name}={value!r}): choose one of {', '.join(map(repr, choices))}.")
@@ -173,7 +173,7 @@ class AutoTorch(Backend):
         if state is not None:
             _torch().set_rng_state(state)
 
-    def context(self) -> contextlib.AbstractContextManager:
+    def context(self) -> contextlib.AbstractContextManager[Any]:
         torch = _torch()
         if torch.is_inference_mode_enabled():  # no tape at all in there: leave it for the call
             stack = contextlib.ExitStack()
@@ -200,7 +200,7 @@ class AutoTorch(Backend):
         return unflatten(spec, [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
     def compile_call(
-        self, plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None = None
+        self, plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None = None
     ) -> CompiledCall | None:
         # A subclass may change any step; it gets the generic path, which runs each of its hooks.
         if type(self) is not AutoTorch:
@@ -329,7 +329,7 @@ def _rng_state() -> Any:
     return _torch().get_rng_state()
 
 
-def _zeros_for_unused(grads: tuple, xs: Flat, op_name: str | None) -> Flat:
+def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None) -> Flat:
     """Zeros where a leaf is unused; an error where every leaf is (the output is cut from them)."""
     if all(g is None for g in grads) and any(arrays.size(x) for x in xs):
         raise _disconnected(op_name)
@@ -450,7 +450,7 @@ def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoT
     torch = _torch()
     G = _checked_forward(F)
 
-    def one(tangent: Flat) -> tuple:
+    def one(tangent: Flat) -> tuple[Any, ...]:
         ys, dys, aux = torch.func.jvp(G, (xs,), (tangent,), has_aux=True)
         # A tangent in its primal's dtype: torch.func promotes `float32 scalar / 2.0` to float64
         # in the tangent (the Python number loses its "wrapped number" status), not in the value.
@@ -490,12 +490,12 @@ def _tape_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoT
     return ys, aux, tuple(dys)
 
 
-def _forward_over_reverse(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple:
+def _forward_over_reverse(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Any, ...]:
     grads, (ys, aux), hvps = _func_jvp(backend.gradient_function(F), xs, ts, batched, backend)
     return ys, grads, aux, hvps
 
 
-def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple:
+def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Any, ...]:
     """Reverse over reverse on the tape: one backward pass with ``create_graph``, then one
     more per tangent (a batch vectorised with `vmap` over it)."""
     torch = _torch()
@@ -519,7 +519,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
 
-def _tape_gradient(plan: Any) -> Callable:
+def _tape_gradient(plan: Any) -> Callable[..., Any]:
     """A prepared gradient straight on the tape, for the prepared signature.
 
     The same steps as the generic gradient (check and split the arguments,
@@ -562,8 +562,8 @@ def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:
     return _zeros_for_unused(_torch().autograd.grad(y, leaves, allow_unused=True), xs, op_name)
 
 
-def _scalar_with_aux(F: FlatFunction) -> Callable:
-    def scalar(xs: Flat) -> tuple[Any, tuple]:
+def _scalar_with_aux(F: FlatFunction) -> Callable[..., Any]:
+    def scalar(xs: Flat) -> tuple[Any, tuple[Any, ...]]:
         ys, aux = _checked_reverse(F)(xs)
         return ys[0], (ys, aux)
 

@@ -50,20 +50,20 @@ class ModuleDescription:
     module_ref: Any  # weakref.ref to the module
     names: list[str]  # trainable parameters, named like named_parameters(), shared ones once
     params: list[Any]
-    layout: tuple  # types, parameter and buffer layouts: what a prepared operator checks
+    layout: tuple[Any, ...]  # types, parameter and buffer layouts: what a prepared operator checks
     has_buffers: bool
     has_inference: bool = False  # a tensor made under torch.inference_mode (cloned in a view)
     # For `still_describes`: the parameter, buffer and submodule dicts of every visited
     # module, with the objects each held (empty ones apart), each tensor's metadata, and
     # each module's __dict__: its size (a new instance attribute such as `forward`) and the
     # ids of the values a view redirects (an instance `forward` replaced by another).
-    filled: tuple = ()
-    empty: tuple = ()
-    tensors: tuple = ()
-    states: tuple = ()
+    filled: tuple[Any, ...] = ()
+    empty: tuple[Any, ...] = ()
+    tensors: tuple[Any, ...] = ()
+    states: tuple[Any, ...] = ()
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
-    redirected: dict = attrs.field(factory=dict)
-    plans: dict = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
+    redirected: dict[Any, Any] = attrs.field(factory=dict)
+    plans: dict[Any, Any] = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
 
     @property
     def module(self) -> Any:
@@ -99,8 +99,8 @@ def describe_module(module: Any) -> ModuleDescription:
     names: list[str] = []
     params: list[Any] = []
     layout: list[Any] = []
-    slot_dicts: list[dict] = []
-    tensors: list[tuple] = []
+    slot_dicts: list[dict[Any, Any]] = []
+    tensors: list[tuple[Any, ...]] = []
     modules: list[Any] = []
     seen: set[int] = set()
 
@@ -252,9 +252,9 @@ class _Copy:
     """One submodule a view copies, and where each of its slots comes from."""
 
     original_ref: Any  # weakref.ref: a kept plan must not keep the model alive
-    params: tuple  # (key, source): source -1 for None, else an index into the call's tensors
-    buffers: tuple
-    children: tuple  # (key, step): step -1 for None, else the index of the child's view
+    params: tuple[Any, ...]  # (key, source): source -1 for None, else an index into the call's tensors
+    buffers: tuple[Any, ...]
+    children: tuple[Any, ...]  # (key, step): step -1 for None, else the index of the child's view
     rnn: bool  # RNNs cache their weights in `_flat_weights`
 
 
@@ -263,20 +263,20 @@ class _ViewPlan:
     """How to build a view of a described module: what `bound_view` does on every call,
     worked out once per description (the walk, the sharing, which submodules stay)."""
 
-    steps: tuple  # children before parents; a step is a _Copy, or a module used as it is
-    sources: tuple  # the tensors a call converts (buffers, parameters not replaced), each once
+    steps: tuple[Any, ...]  # children before parents; a step is a _Copy, or a module used as it is
+    sources: tuple[Any, ...]  # the tensors a call converts (buffers, parameters not replaced), each once
     n_params: int  # the replaced parameters come first in the call's tensors
     root: int
-    redirects: tuple  # (step, keys) to redirect after every view exists
-    step_of: tuple  # (id(module), step) for every module of the tree, torch.compile wrappers included
+    redirects: tuple[Any, ...]  # (step, keys) to redirect after every view exists
+    step_of: tuple[Any, ...]  # (id(module), step) for every module of the tree, torch.compile wrappers included
 
 
 def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
     optimized = _optimized_module_type()
-    steps: list = []
+    steps: list[Any] = []
     index_of: dict[int, int] = {}  # id(module) -> step
     tensor_index: dict[int, int] = {id(p): i for i, p in enumerate(module.params)} if active else {}
-    sources: list = []
+    sources: list[Any] = []
 
     def slot(t: Any) -> int:
         if t is None:
@@ -337,7 +337,7 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
     if plan is None:
         plan = module.plans[params is None] = _plan(module, params is not None)
     tensors = [*(params or ()), *map(convert, plan.sources)]
-    views: list = []
+    views: list[Any] = []
     for step in plan.steps:
         if not isinstance(step, _Copy):
             views.append(step)

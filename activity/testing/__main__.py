@@ -38,7 +38,7 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, notes: list[str]) -> list:
+def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, notes: list[str]) -> list[Any]:
     """The scenarios of ``kinds`` for ``framework``, named ``framework/name``; what cannot be built goes to ``notes``."""
     from activity.testing import batchify, cachify, closurify, constantify, default_scenarios, nn_scenarios
 
@@ -62,7 +62,7 @@ def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, no
     return scenarios
 
 
-def _backends(framework: str) -> list:
+def _backends(framework: str) -> list[Any]:
     import activity as ad
 
     return {"numpy": [ad.AutoFiniteDifferences()], "jax": [ad.AutoJAX()], "torch": [ad.AutoTorch()]}[framework]
@@ -87,7 +87,7 @@ def _loss(scenario: Any) -> Any:
     return f
 
 
-def _raw_jax(scenario: Any, values: list, active: set) -> Any:
+def _raw_jax(scenario: Any, values: list[Any], active: set[Any]) -> Any:
     """``jax.jit(jax.grad(...))`` over the floating leaves of the Active arguments; other array leaves are
     arguments too (not baked into the compiled function), non-array leaves (names, Python numbers, Equinox's
     functions) are closed over, as ``eqx.filter_jit`` would."""
@@ -112,7 +112,7 @@ def _raw_jax(scenario: Any, values: list, active: set) -> Any:
     if not diff:
         return None
 
-    def loss(diff: list, rest: list) -> Any:
+    def loss(diff: list[Any], rest: list[Any]) -> Any:
         args = []
         for (_, treedef), arg_slots in zip(flat, slots):
             leaves = [diff[k] if kind == "diff" else rest[k] if kind == "rest" else k for kind, k in arg_slots]
@@ -123,7 +123,7 @@ def _raw_jax(scenario: Any, values: list, active: set) -> Any:
     return lambda: jax.block_until_ready(raw(diff, rest))
 
 
-def _raw_torch(scenario: Any, values: list, active: set) -> Any:
+def _raw_torch(scenario: Any, values: list[Any], active: set[Any]) -> Any:
     """``torch.autograd.grad`` with respect to the Active modules' parameters and floating tensors."""
     import torch
     from torch.utils import _pytree
@@ -159,7 +159,7 @@ def _raw_gradient(scenario: Any) -> Any:
     return None
 
 
-def bench(scenarios: list, repeat: int = 15, out: Any = None) -> tuple[int, int]:
+def bench(scenarios: list[Any], repeat: int = 15, out: Any = None) -> tuple[int, int]:
     """Print the prepared gradient's time against the raw call for every JAX and torch gradient scenario.
 
     Returns (rows timed, rows that could not be timed).
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(1)  # this process only: tiny tensors run fastest on one thread
-    catalogues: dict[str, list] = {}
+    catalogues: dict[str, list[Any]] = {}
     for framework in frameworks:
         before = len(notes)
         scenarios = _catalogue(framework, args.scenarios, args.seed, args.transforms, notes)
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     return _check(catalogues, notes)
 
 
-def _check(catalogues: dict[str, list], notes: list[str]) -> int:
+def _check(catalogues: dict[str, list[Any]], notes: list[str]) -> int:
     from activity.testing import test_differentiation
     from activity.testing._runner import Report
 
@@ -302,7 +302,7 @@ def _check(catalogues: dict[str, list], notes: list[str]) -> int:
         backends = _backends(framework)
         total, done = len(scenarios) * len(backends), [0]
 
-        def progress(outcome: Any, total: int = total, done: list = done) -> None:
+        def progress(outcome: Any, total: int = total, done: list[Any] = done) -> None:
             done[0] += 1
             print(
                 f"[{done[0]:>3}/{total}] {outcome.backend:<22} {outcome.scenario:<48} {outcome.status:<11} {outcome.seconds:6.2f}s",

@@ -51,8 +51,8 @@ class CheckReport:
 
 
 def check(
-    f: Callable,
-    *args: Annotation,
+    f: Callable[..., Any],
+    *args: Annotation[Any],
     backends: Any = None,
     reference: Any = None,
     operators: Sequence[str] | None = None,
@@ -185,7 +185,7 @@ def check(
     return report
 
 
-def _call(f: Callable, values: tuple) -> Any:
+def _call(f: Callable[..., Any], values: tuple[Any, ...]) -> Any:
     return f(*values)
 
 

@@ -18,7 +18,7 @@ from ._frameworks import Framework, random
 from ._scenario import Scenario
 
 
-def _functions(fw: Framework) -> dict[str, Callable]:
+def _functions(fw: Framework) -> dict[str, Callable[..., Any]]:
     """The catalogue's functions, written once for ``fw``'s array module."""
     xp = fw.xp
 
@@ -153,7 +153,7 @@ def _jvp_several_to_vector(w, b, x, vw, vb):
     return (np.cos(z) * (x @ vw) * b.sum() + np.sin(z) * vb.sum(),)
 
 
-def _blocks(linear: Callable[..., tuple], inputs: tuple) -> list[list[np.ndarray]]:
+def _blocks(linear: Callable[..., tuple[Any, ...]], inputs: tuple[Any, ...]) -> list[list[np.ndarray]]:
     """``blocks[o][i]``: output leaf ``o`` against input leaf ``i`` (shape ``out.shape + in.shape``) of ``linear``."""
     zeros = [np.zeros_like(x) for x in inputs]
     outputs = [np.asarray(y) for y in linear(*zeros)]
@@ -167,7 +167,7 @@ def _blocks(linear: Callable[..., tuple], inputs: tuple) -> list[list[np.ndarray
     return blocks
 
 
-def _pull(blocks: list[list[np.ndarray]], cotangents: tuple) -> tuple:
+def _pull(blocks: list[list[np.ndarray]], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
     """The cotangents pulled back through the Jacobian ``blocks``: one per input leaf."""
     return tuple(
         sum(np.tensordot(c, blocks[o][i], axes=np.ndim(c)) for o, c in enumerate(cotangents))
@@ -175,7 +175,7 @@ def _pull(blocks: list[list[np.ndarray]], cotangents: tuple) -> tuple:
     )
 
 
-def _params_tree(w: Any, b: Any, scale: Any) -> dict:
+def _params_tree(w: Any, b: Any, scale: Any) -> dict[Any, Any]:
     """A result shaped like the Active params: the int and the name are static, so None."""
     return {"w": w, "b": b, "scale": [scale, None], "name": None}
 
@@ -221,7 +221,7 @@ def default_scenarios(framework: str = "numpy") -> list[Scenario]:
     ts_ = tuple(n(v) for v in tangent_several)
 
     # -- first and second derivatives of every function ---------------------------------------
-    def jac(linear: Callable, *inputs: Any) -> list[list[np.ndarray]]:
+    def jac(linear: Callable[..., Any], *inputs: Any) -> list[list[np.ndarray]]:
         return _blocks(linear, inputs)
 
     def one(value: Any) -> np.ndarray:
@@ -261,7 +261,7 @@ def default_scenarios(framework: str = "numpy") -> list[Scenario]:
     j_p2p = jac(jvp_p2p, w_, b_, scale_)
     j_s2v = jac(jvp_s2v, w_, b_)
 
-    def p2p_tree(hidden: Any, total: Any, first: Any) -> dict:
+    def p2p_tree(hidden: Any, total: Any, first: Any) -> dict[Any, Any]:
         return {"hidden": hidden, "summary": [total, first]}
 
     y_v2v, y_m2m = values["vector_to_vector"](x_), values["matrix_to_matrix"](m_)

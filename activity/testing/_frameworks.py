@@ -36,10 +36,10 @@ class Framework:
             return self.xp.tensor(values, dtype=self.xp.float32)
         return values
 
-    def stack(self, items: list) -> Any:
+    def stack(self, items: list[Any]) -> Any:
         return self.xp.stack(items)
 
-    def concat(self, items: list) -> Any:
+    def concat(self, items: list[Any]) -> Any:
         return self.xp.cat(items) if self.name == "torch" else self.xp.concatenate(items)
 
 

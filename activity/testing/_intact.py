@@ -63,7 +63,7 @@ def _rng_states() -> dict[str, Any]:
 class Snapshot:
     """The state of some arguments and of the global RNGs, to compare after a call."""
 
-    def __init__(self, args: tuple):
+    def __init__(self, args: tuple[Any, ...]):
         self.args = args
         self.leaves = [[_copy(leaf) for leaf in flatten(a.value)[0]] for a in args]
         self.rng = _rng_states()

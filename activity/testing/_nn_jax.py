@@ -34,7 +34,7 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
 
     scenarios: list[Scenario] = []
 
-    def add(name: str, make: Callable[[], Any], x: Any, f: Callable = batched) -> None:
+    def add(name: str, make: Callable[[], Any], x: Any, f: Callable[..., Any] = batched) -> None:
         model, prep_model = make(), make()
         prep_x = x + 0.5 if jnp.issubdtype(x.dtype, jnp.floating) else x[::-1]
         scenarios.append(
@@ -49,7 +49,7 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
             return (self.weight * x + self.bias) ** 2
 
     class Maxout(eqx.Module):
-        branches: list
+        branches: list[Any]
         offset: Any = eqx.field(static=True)
 
         def __call__(self, x):
@@ -65,7 +65,7 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
             return jnp.concatenate([y, x]) if self.concat else y + x
 
     class Chain(eqx.Module):
-        layers: tuple
+        layers: tuple[Any, ...]
 
         def __call__(self, x):
             for layer in self.layers:

@@ -154,7 +154,7 @@ def pytest_params(backends: Any, scenarios: Any, **kwargs: Any) -> tuple[list[An
     return params, ids
 
 
-def marker_arguments(args: tuple, kwargs: dict, test: str) -> dict:
+def marker_arguments(args: tuple[Any, ...], kwargs: dict[Any, Any], test: str) -> dict[Any, Any]:
     """The ``differentiation`` marker's arguments as keywords; a misspelt or missing one is a `UsageError`."""
     if len(args) > 2:
         raise UsageError(

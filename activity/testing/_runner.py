@@ -152,7 +152,7 @@ class Manifest:
                     raise UsageError(self._stale(which, key, backends, scenarios, everything))
 
     @staticmethod
-    def _validated(which: str, entries: Any) -> dict:
+    def _validated(which: str, entries: Any) -> dict[Any, Any]:
         if entries is None:
             return {}
         if not isinstance(entries, Mapping):
@@ -185,7 +185,7 @@ class Manifest:
         found.sort(key=lambda key: not isinstance(key, tuple))  # (backend, scenario) first
         return self.entries[which][found[0]]
 
-    def _stale(self, which: str, key: Any, backends: Sequence[Any], scenarios: Sequence[Scenario], everything: list) -> str:
+    def _stale(self, which: str, key: Any, backends: Sequence[Any], scenarios: Sequence[Scenario], everything: list[Any]) -> str:
         backend_names = sorted({n for b in backends for n in self.names[id(b)]})
         scenario_names = [s.name for s in scenarios]
         text = f"{which}= key {_key_text(key)} matches no case that runs"
@@ -330,7 +330,7 @@ class Report:
         return self.table()
 
 
-def _as_list(backends: Any) -> list:
+def _as_list(backends: Any) -> list[Any]:
     return list(backends) if isinstance(backends, (list, tuple)) else [backends]
 
 

@@ -65,7 +65,7 @@ def _reads_what_it_writes(scenario: "Scenario") -> str | None:
     return None
 
 
-def _output(scenario: "Scenario", values: tuple) -> Any:
+def _output(scenario: "Scenario", values: tuple[Any, ...]) -> Any:
     out = scenario.f(*values)
     return out[0] if scenario.options.get("has_aux") else out
 
@@ -74,7 +74,7 @@ def _host(leaf: Any) -> Any:
     return leaf.detach().cpu().numpy() if arrays.is_torch(leaf) else np.asarray(leaf)
 
 
-def _operator_function(op: Any) -> Callable:
+def _operator_function(op: Any) -> Callable[..., Any]:
     import activity
 
     return getattr(activity, operator_of(op).name)
@@ -100,20 +100,20 @@ class Scenario:
     """
 
     op: Any = attrs.field(converter=lambda op: operator_of(op).name)
-    f: Callable
-    args: tuple = attrs.field(converter=tuple)
+    f: Callable[..., Any]
+    args: tuple[Any, ...] = attrs.field(converter=tuple)
     result: Any = attrs.field(default=None, kw_only=True)
     tangent: Any = attrs.field(default=None, kw_only=True)
     tangents: Sequence[Any] | None = attrs.field(default=None, kw_only=True)
-    prep_args: tuple | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(tuple))
+    prep_args: tuple[Any, ...] | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(tuple))
     name: str | None = attrs.field(default=None, kw_only=True)
     rtol: float | None = attrs.field(default=None, kw_only=True)
     atol: float | None = attrs.field(default=None, kw_only=True)
-    options: dict = attrs.field(factory=dict, kw_only=True)
+    options: dict[Any, Any] = attrs.field(factory=dict, kw_only=True)
     # (scenario, function): the expected result is function(scenario's expected result); set by transforms
-    derived_from: tuple | None = attrs.field(default=None, kw_only=True)
-    _expected: dict = attrs.field(factory=dict, init=False)
-    _unreliable: dict = attrs.field(factory=dict, init=False)  # reference repr -> why its result is unreliable
+    derived_from: tuple[Any, ...] | None = attrs.field(default=None, kw_only=True)
+    _expected: dict[Any, Any] = attrs.field(factory=dict, init=False)
+    _unreliable: dict[Any, Any] = attrs.field(factory=dict, init=False)  # reference repr -> why its result is unreliable
 
     def __attrs_post_init__(self) -> None:
         for position, arg in enumerate(self.args):

@@ -17,7 +17,7 @@ from ._frameworks import Framework
 from ._scenario import Scenario
 
 
-def _each(transform: Callable[[Scenario], Scenario]) -> Callable:
+def _each(transform: Callable[[Scenario], Scenario]) -> Callable[..., Any]:
     def apply(scenarios: Scenario | list[Scenario]) -> Scenario | list[Scenario]:
         if isinstance(scenarios, Scenario):
             return transform(scenarios)
