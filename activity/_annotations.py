@@ -6,7 +6,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
 
-T = TypeVar("T")
+# Covariant: an annotation only holds its value, so an Active[Linear] is an Active[Module].
+T = TypeVar("T", covariant=True)
 
 
 def _refuse_nesting(instance: Any, attribute: Any, value: Any) -> None:

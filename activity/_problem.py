@@ -11,7 +11,7 @@ differentiated leaves, and ``ctx``, everything else that changes per call.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, overload
 
 import attrs
 
@@ -231,6 +231,10 @@ class Problem:
 
     # --------------------------------------------------------------- per call
 
+    @overload
+    def split(self, values: Sequence[Any], kinds: None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]: ...
+    @overload
+    def split(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None: ...
     def split(self, values: Sequence[Any], kinds: Sequence[str] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         """The differentiated leaves and the per-call context leaves of ``values``.
 

@@ -72,12 +72,15 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     unexpected = set(kwargs) - {one, many}
     if unexpected:
         raise TypeError(f"activity.{operator.name} got unexpected keyword argument(s) {sorted(unexpected)}.")
+    single: Any
+    batch: Any
     single, batch = kwargs.get(one), kwargs.get(many)
     if (single is None) == (batch is None):
         raise TypeError(
             f"activity.{operator.name} needs exactly one of {one}= (one vector) or {many}= (a list of them); "
             f"got {'both' if single is not None else 'neither'}."
         )
+    encode: Callable[[Any, str], tuple[tuple[Any, ...], Any]]
     if one == "tangent":
         encode = lambda tree, what: (problem.flat_like_active(tree, what), None)  # noqa: E731
     else:

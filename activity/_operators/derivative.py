@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
+from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis
-from ._common import Operator, call, register, start
+from ._common import call, Operator, register, Seeds, start
+from ._typing import Data, R
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds | None, *, value: bool
+) -> Callable[..., Any]:
     n = len(problem.diff_shapes)
 
-    def pipeline(xs, ctx, extra):
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], extra: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, _, dys = backend.jvp(F, xs, input_basis(xs, backend), True)
         derivative = problem.like_active([traced.output([dy[k] for dy in dys]) for k in range(n)])
@@ -22,6 +26,14 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     return pipeline
 
 
+@overload
+def derivative(
+    f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+) -> R: ...
+@overload
+def derivative(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+) -> Any: ...
 def derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """Derivative of ``f``'s output with respect to scalar Active arguments.
 
@@ -36,7 +48,15 @@ def derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend |
     return call(DERIVATIVE, f, args, backend, {}, {})
 
 
-def value_and_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> tuple[Any, Any]:
+@overload
+def value_and_derivative(
+    f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+) -> tuple[R, R]: ...
+@overload
+def value_and_derivative(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+) -> tuple[R, Any]: ...
+def value_and_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """``(f(*values), derivative)``; see `derivative`.
 
     >>> import jax.numpy as jnp

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Literal, overload
 
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
+from .._problem import Problem
 from ..backends import Backend
-from ._common import Operator, call, register, start, with_value
+from ._common import Operator, Seeds, call, register, start, with_value
+from ._typing import A, Data, ModuleGradient, R, T, TorchModuleLike
 
 
-def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable[..., Any]:
-    def pipeline(xs, ctx, extra):
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds | None, *, value: bool, has_aux: bool = False
+) -> Callable[..., Any]:
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], extra: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux, scalar=True)
         ys, aux, grads = backend.value_and_grad(F, xs)
         aux = traced.aux(aux) if has_aux else None
@@ -19,6 +23,32 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
     return pipeline
 
 
+@overload
+def gradient(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+) -> ModuleGradient: ...
+@overload
+def gradient(
+    f: Callable[..., tuple[Any, A]], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+) -> tuple[ModuleGradient, A]: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+) -> T: ...
+@overload
+def gradient(
+    f: Callable[..., tuple[Any, A]], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+) -> tuple[T, A]: ...
+@overload
+def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any: ...
 def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any:
     """Gradient of a scalar ``f`` with respect to its Active arguments.
 
@@ -37,9 +67,25 @@ def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
     return call(GRADIENT, f, args, backend, {"has_aux": has_aux}, {})
 
 
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+) -> tuple[R, ModuleGradient]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+) -> tuple[Any, Any]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+) -> tuple[R, T]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
+) -> tuple[R, Any]: ...
 def value_and_gradient(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
-) -> tuple[Any, Any]:
+) -> Any:
     """``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.
 
     >>> import jax.numpy as jnp

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 from .. import _arrays as arrays
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
+from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis
-from ._common import Operator, blocks, call, register, start
+from ._common import blocks, call, Operator, register, Seeds, start
+from ._typing import Data, ModuleGradient, R, T, TorchModuleLike
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
-    def pipeline(xs, ctx, extra):
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds | None, *, value: bool
+) -> Callable[..., Any]:
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], extra: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx, scalar=True)
         shapes = [arrays.shape(x) for x in xs]
         sizes = [arrays.size(x) for x in xs]
@@ -42,7 +46,23 @@ def hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | No
     return call(HESSIAN, f, args, backend, {}, {})
 
 
-def value_gradient_and_hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> tuple[Any, Any, Any]:
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None,
+) -> tuple[R, ModuleGradient, Any]: ...
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None,
+) -> tuple[R, Any, Any]: ...
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None,
+) -> tuple[R, T, Any]: ...
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+) -> tuple[R, Any, Any]: ...
+def value_gradient_and_hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """``(value, gradient, hessian)``.
 
     >>> import jax.numpy as jnp

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload, Sequence
 
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
+from .._problem import Problem
 from ..backends import Backend
-from ._common import Operator, call, per_seed, register, start
+from ._common import call, Operator, per_seed, register, Seeds, start
+from ._typing import Data, ModuleGradient, T, TorchModuleLike
 
 
-def _build(problem, f, backend, seeds, *, with_gradient: bool) -> Callable[..., Any]:
-    def pipeline(xs, ctx, ts):
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds, *, with_gradient: bool
+) -> Callable[..., Any]:
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], ts: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx, scalar=True)
         _, grads, _, hvps = backend.value_and_hvp(F, xs, ts, seeds.batch is not None)
         result = per_seed(seeds, lambda b: problem.like_active(hvps if b is None else [h[b] for h in hvps]))
@@ -19,6 +23,30 @@ def _build(problem, f, backend, seeds, *, with_gradient: bool) -> Callable[..., 
     return pipeline
 
 
+@overload
+def hvp(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> ModuleGradient: ...
+@overload
+def hvp(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> list[ModuleGradient]: ...
+@overload
+def hvp(
+    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+) -> Any: ...
+@overload
+def hvp(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> T: ...
+@overload
+def hvp(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> list[T]: ...
+@overload
+def hvp(
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+) -> Any: ...
 def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
     """Hessian-vector product of a scalar ``f`` along ``tangent`` (a list for ``tangents=[...]``).
 
@@ -30,9 +58,33 @@ def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None =
     return call(HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
 
 
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> tuple[ModuleGradient, ModuleGradient]: ...
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> tuple[ModuleGradient, list[ModuleGradient]]: ...
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+) -> tuple[Any, Any]: ...
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> tuple[T, T]: ...
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> tuple[T, list[T]]: ...
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+) -> Any: ...
 def gradient_and_hvp(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
-) -> tuple[Any, Any]:
+) -> Any:
     """``(gradient, hvp)``.
 
     >>> import jax.numpy as jnp

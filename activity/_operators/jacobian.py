@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from .. import _arrays as arrays
 from .._annotations import Annotation
+from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis, output_basis
-from ._common import Operator, blocks, call, register, start, with_value
+from ._common import blocks, call, Operator, register, Seeds, start, with_value
+from ._typing import R
 
 
-def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) -> Callable[..., Any]:
-    def pipeline(xs, ctx, extra):
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds | None, *, value: bool, has_aux: bool = False
+) -> Callable[..., Any]:
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], extra: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx, has_aux=has_aux)
         in_shapes = [arrays.shape(x) for x in xs]
         in_sizes = [arrays.size(x) for x in xs]
@@ -52,8 +56,8 @@ def jacobian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
 
 
 def value_and_jacobian(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
-) -> tuple[Any, Any]:
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
+) -> tuple[R, Any]:
     """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
 
     >>> import jax.numpy as jnp
@@ -62,7 +66,7 @@ def value_and_jacobian(
     >>> value, jac
     (Array([3.], dtype=float32), Array([[3.]], dtype=float32))
     """
-    return call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {})
+    return cast("tuple[R, Any]", call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}))
 
 
 JACOBIAN = Operator("jacobian", lambda *a, **k: _build(*a, value=False, **k))

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload, Sequence
 
 from .. import _arrays as arrays
 from .._tree import leaf_paths
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
+from .._problem import Problem, Traced
 from ..backends import Backend
-from ._common import Operator, call, per_seed, register, start
+from ._common import call, Operator, per_seed, register, Seeds, start
+from ._typing import Data, ModuleGradient, R, T, TorchModuleLike
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds, *, value: bool
+) -> Callable[..., Any]:
     batched = seeds.batch is not None
 
-    def pipeline(xs, ctx, cts):
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], cts: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, _, pull = backend.vjp(F, xs)
         cts = _checked(problem, traced, seeds, cts, ys)
@@ -25,7 +29,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     return pipeline
 
 
-def _checked(problem, traced, seeds, cts, ys) -> tuple[Any, ...]:
+def _checked(problem: Problem, traced: Traced, seeds: Seeds, cts: Any, ys: tuple[Any, ...]) -> tuple[Any, ...]:
     what = "cotangent" if seeds.batch is None else "cotangents[i]"
     if seeds.spec != traced.out_spec:
         raise ValueError(
@@ -43,6 +47,30 @@ def _checked(problem, traced, seeds, cts, ys) -> tuple[Any, ...]:
     return tuple(problem.backend.as_tangent(ct, y.dtype) for ct, y in zip(cts, ys))
 
 
+@overload
+def pullback(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+) -> ModuleGradient: ...
+@overload
+def pullback(
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+) -> list[ModuleGradient]: ...
+@overload
+def pullback(
+    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+) -> Any: ...
+@overload
+def pullback(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+) -> T: ...
+@overload
+def pullback(
+    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+) -> list[T]: ...
+@overload
+def pullback(
+    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+) -> Any: ...
 def pullback(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
 ) -> Any:
@@ -59,9 +87,33 @@ def pullback(
     return call(PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents})
 
 
+@overload
+def value_and_pullback(
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+) -> tuple[R, ModuleGradient]: ...
+@overload
+def value_and_pullback(
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+) -> tuple[R, list[ModuleGradient]]: ...
+@overload
+def value_and_pullback(
+    f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_pullback(
+    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+) -> tuple[R, T]: ...
+@overload
+def value_and_pullback(
+    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+) -> tuple[R, list[T]]: ...
+@overload
+def value_and_pullback(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+) -> tuple[R, Any]: ...
 def value_and_pullback(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
-) -> tuple[Any, Any]:
+) -> Any:
     """``(value, pullback)``.
 
     >>> import jax.numpy as jnp

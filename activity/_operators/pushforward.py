@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload, Sequence
 
 from .._annotations import Annotation
+from .._problem import Problem
 from ..backends import Backend
-from ._common import Operator, call, per_seed, register, start
+from ._common import call, Operator, per_seed, register, Seeds, start
+from ._typing import R
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
-    def pipeline(xs, ctx, ts):
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds, *, value: bool
+) -> Callable[..., Any]:
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], ts: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, _, dys = backend.jvp(F, xs, ts, seeds.batch is not None)
         tangent_out = per_seed(seeds, lambda b: traced.output(dys if b is None else [d[b] for d in dys]))
@@ -19,6 +23,18 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     return pipeline
 
 
+@overload
+def pushforward(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> R: ...
+@overload
+def pushforward(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> list[R]: ...
+@overload
+def pushforward(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+) -> Any: ...
 def pushforward(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
 ) -> Any:
@@ -36,9 +52,21 @@ def pushforward(
     return call(PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
 
 
+@overload
+def value_and_pushforward(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> tuple[R, R]: ...
+@overload
+def value_and_pushforward(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> tuple[R, list[R]]: ...
+@overload
+def value_and_pushforward(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+) -> tuple[R, Any]: ...
 def value_and_pushforward(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
-) -> tuple[Any, Any]:
+) -> Any:
     """``(value, pushforward)``.
 
     >>> import jax.numpy as jnp

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
+from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis
-from ._common import Operator, call, register, start
+from ._common import call, Operator, register, Seeds, start
+from ._typing import Data, R
 
 
-def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
+def _build(
+    problem: Problem, f: Callable[..., Any], backend: Backend, seeds: Seeds | None, *, value: bool
+) -> Callable[..., Any]:
     n = len(problem.diff_shapes)
 
-    def pipeline(xs, ctx, extra):
+    def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], extra: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, dys, _, d2ys = backend.value_and_second_jvp(F, xs, input_basis(xs, backend))
 
-        def at(leaves, *index):
+        def at(leaves: Any, *index: int) -> Any:
             return traced.output([leaf[index] for leaf in leaves])
 
         second = problem.like_active(
@@ -30,6 +34,14 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable[..., Any]:
     return pipeline
 
 
+@overload
+def second_derivative(
+    f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+) -> R: ...
+@overload
+def second_derivative(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+) -> Any: ...
 def second_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """Second derivative of ``f``'s output with respect to scalar Active arguments.
 
@@ -43,9 +55,17 @@ def second_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Ba
     return call(SECOND_DERIVATIVE, f, args, backend, {}, {})
 
 
+@overload
+def value_derivative_and_second_derivative(
+    f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+) -> tuple[R, R, R]: ...
+@overload
+def value_derivative_and_second_derivative(
+    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+) -> tuple[R, Any, Any]: ...
 def value_derivative_and_second_derivative(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None
-) -> tuple[Any, Any, Any]:
+) -> Any:
     """``(value, derivative, second_derivative)``.
 
     >>> import activity as ad
