@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Generic, ParamSpec, Sequence, TypeVar, overload
 
 from . import _arrays as arrays
 from ._annotations import Annotation
@@ -22,9 +22,16 @@ MAX_SIGNATURES = 32
 WARN_AFTER = 8
 """A ``strict=False`` prepared operator warns (once) when calls have brought more new signatures than this."""
 
+R = TypeVar("R")  # what the prepared operator returns
+P = ParamSpec("P")
 
-class Prepared:
+
+class Prepared(Generic[R]):
     """An operator prepared for one call signature. Call it like the operator, without ``f``.
+
+    ``Prepared[R]``: a call returns what the operator returned for the prepared
+    arguments (``prepare(gradient, f, Active(x), ...)`` on a ``jax.Array`` is a
+    ``Prepared[jax.Array]``).
 
     Arguments may be raw values (they take the prepared kinds) or annotated
     with the same kinds; ``tangent=``/``cotangent=`` are passed per call.
@@ -61,7 +68,7 @@ class Prepared:
     def __repr__(self) -> str:
         return f"<prepared activity.{self.operator} on {self.backend!r}, strict={self._strict}>"
 
-    def __call__(self, *args: Any, **seed_kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **seed_kwargs: Any) -> R:
         compiled_call = self._compiled_call
         if compiled_call is not None:
             values: tuple[Any, ...] | None = args
@@ -74,13 +81,13 @@ class Prepared:
                 if not self._strict:
                     self._local.call = (values, seed_kwargs)  # for `_retrace`
                 try:
-                    return compiled_call.call(*values, **seed_kwargs)
+                    return compiled_call.call(*values, **seed_kwargs)  # type: ignore[no-any-return]
                 except compiled_call.misses:
                     pass  # not the prepared signature: the checked path says what differs, or prepares again
                 finally:
                     if not self._strict:
                         self._local.call = None
-        return self._checked_call(args, seed_kwargs)
+        return self._checked_call(args, seed_kwargs)  # type: ignore[no-any-return]
 
     def _checked_call(self, args: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
         plan = self._plan
@@ -181,7 +188,7 @@ class Prepared:
         """The caller's own values for a plan made while JAX traces: inside `jax.jit` the values
         are JAX's rebuild of them, whose dicts have sorted keys, and a plan's results keep
         the key order of the values it was made from."""
-        call = getattr(self._local, "call", None)
+        call: tuple[tuple[Any, ...], dict[Any, Any]] | None = getattr(self._local, "call", None)
         if call is not None and _same_key(self._key(self._plan.problem.kinds, *call), key):
             return call
         return values, seed_kwargs
@@ -379,13 +386,45 @@ def _plan(
 
         made: list[Plan] = []
         with_abstract_arrays(
-            lambda values, seed_kwargs: made.append(make(values, seed_kwargs)) or (), values, seed_kwargs,
+            lambda values, seed_kwargs: made.append(make(values, seed_kwargs)) or (),  # type: ignore[func-returns-value]
+            values, seed_kwargs,
             placeholders_only=True,
         )
         return made[0].compile(), "torch" in placeholders
 
 
+# The result's type follows from the operator's overloads. mypy cannot yet match the
+# operator's keywords through `P.kwargs` when the operator is overloaded: a call with one
+# of them (or with strict=, which the operator does not take, or an operator's name) is
+# typed by the later overloads, `Prepared[Any]`, instead of being refused.
+@overload
+def prepare(op: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Prepared[R]: ...
+@overload
 def prepare(
+    op: Callable[..., Any] | str, f: Callable[..., Any], *args: Any, backend: Backend | None = None, strict: bool,
+    max_signatures: int | None = None, **op_kwargs: Any,
+) -> Prepared[Any]: ...
+@overload
+def prepare(
+    op: str, f: Callable[..., Any], *args: Any, backend: Backend | None = None, strict: bool = True,
+    max_signatures: int | None = None, **op_kwargs: Any,
+) -> Prepared[Any]: ...
+@overload
+def prepare(
+    op: Callable[..., Any], f: Callable[..., Any], *args: Any, backend: Backend | None, **op_kwargs: Any
+) -> Prepared[Any]: ...
+@overload
+def prepare(op: Callable[..., Any], f: Callable[..., Any], *args: Any, has_aux: bool, **op_kwargs: Any) -> Prepared[Any]: ...
+@overload
+def prepare(op: Callable[..., Any], f: Callable[..., Any], *args: Any, tangent: Any, **op_kwargs: Any) -> Prepared[Any]: ...
+@overload
+def prepare(op: Callable[..., Any], f: Callable[..., Any], *args: Any, tangents: Sequence[Any], **op_kwargs: Any) -> Prepared[Any]: ...
+@overload
+def prepare(op: Callable[..., Any], f: Callable[..., Any], *args: Any, cotangent: Any, **op_kwargs: Any) -> Prepared[Any]: ...
+@overload
+def prepare(op: Callable[..., Any], f: Callable[..., Any], *args: Any, cotangents: Sequence[Any], **op_kwargs: Any) -> Prepared[Any]: ...
+# The first overload passes the operator's own keywords, which mypy cannot match to these.
+def prepare(  # type: ignore[misc]
     op: Callable[..., Any] | str,
     f: Callable[..., Any],
     *args: Any,
@@ -393,7 +432,7 @@ def prepare(
     strict: bool = True,
     max_signatures: int | None = None,
     **op_kwargs: Any,
-) -> Prepared:
+) -> Prepared[Any]:
     """Prepare ``op(f, *args, **op_kwargs)`` once; call the result on new values of the same kinds.
 
     All one-time work (tracing, compiling, building transformed functions) is
