@@ -107,7 +107,7 @@ def reshape(x: Any, new_shape: tuple[int, ...]) -> Any:
 
 def stack(xs: list[Any], axis: int = 0) -> Any:
     xp = namespace(xs[0])
-    return xp.stack(list(xs), axis) if xp is not sys.modules.get("torch") else xp.stack(list(xs), dim=axis)
+    return xp.stack(list(xs), axis) if xp is not sys.modules.get("torch") else xp.stack(list(xs), dim=axis)  # type: ignore[union-attr]
 
 
 def moveaxes_front_to_back(x: Any, n_front: int) -> Any:
@@ -137,7 +137,7 @@ def concat_flat(xs: list[Any]) -> Any:
     """Concatenate the flattened leaves ``xs`` (batched over a leading axis) into one matrix."""
     xp = namespace(xs[0])
     parts = [reshape(x, (shape(x)[0], math.prod(shape(x)[1:]))) for x in xs]  # -1 is ambiguous when empty
-    return xp.cat(parts, dim=1) if xp is sys.modules.get("torch") else xp.concatenate(parts, axis=1)
+    return xp.cat(parts, dim=1) if xp is sys.modules.get("torch") else xp.concatenate(parts, axis=1)  # type: ignore[union-attr]
 
 
 def zeros(new_shape: tuple[int, ...], like: Any) -> Any:

@@ -16,4 +16,4 @@ def add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note"):
         error.add_note(note)
     else:  # Python 3.10
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined, unused-ignore]

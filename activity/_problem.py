@@ -181,6 +181,7 @@ class Problem:
                     f"{type(leaf).__name__}(...) at {paths[index] or 'its root'}; annotations do not nest. "
                     f"Annotate each top-level argument once and pass plain values inside it."
                 )
+            meta: tuple[Any, ...]
             if arrays.is_torch_module(leaf):
                 role = MODULE
                 described = self.backend.describe_module(leaf)
@@ -247,6 +248,7 @@ class Problem:
         check = kinds is not None
         as_array, meta_of = self.backend.as_array, self.backend.array_meta
         for position, (value, roles) in enumerate(zip(values, self.roles)):
+            leaves: list[Any] | None
             if type(value) is self.bare_types[position]:
                 leaves, spec = [value], LEAF  # a lone array or module, as prepared: no tree to walk
             elif position in self.adapted:
@@ -257,7 +259,7 @@ class Problem:
                 leaves, spec = flatten(value)
             active = self.kinds[position] == "active"
             if check:
-                if kinds[position] != self.kinds[position] or spec != self.specs[position]:
+                if kinds[position] != self.kinds[position] or spec != self.specs[position]:  # type: ignore[index]
                     return None
                 metas = self.signature[position][2]
             for index, (leaf, role) in enumerate(zip(leaves, roles)):
@@ -341,7 +343,7 @@ class Problem:
         adapter, static = self.adapted[position][:2]
         if adapter_for(value) is not adapter:
             return None, None
-        new_static, params, rest = adapter.split(value)
+        new_static, params, rest = adapter.split(value)  # type: ignore[union-attr]
         if check and not _same_meta(("static", static), ("static", new_static)):
             return None, None
         return flatten((params, rest))
@@ -356,6 +358,7 @@ class Problem:
 
         def F(xs: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
             out = self.call(f, self.rebuild(xs, ctx))
+            aux_dynamic: Any
             if has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise ValueError(
@@ -507,7 +510,9 @@ class Problem:
                     flat.append(self._checked_leaf(leaf, shape, dtype, label, position, leaf_index, suffix))
         return tuple(flat)
 
-    def _checked_leaf(self, leaf, shape, dtype, label, position, index, suffix) -> Any:
+    def _checked_leaf(
+        self, leaf: Any, shape: tuple[int, ...], dtype: Any, label: str, position: int, index: int, suffix: str
+    ) -> Any:
         def where() -> str:
             return label + (self._path(position, index) + suffix)
 
@@ -564,7 +569,7 @@ def _same_meta(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> bool:
     return expected == actual
 
 
-def _same_layout_entry(expected: Any, actual: Any) -> bool:
+def _same_layout_entry(expected: object, actual: object) -> bool:
     if isinstance(expected, tuple) and isinstance(actual, tuple) and len(expected) == len(actual) >= 4:
         if getattr(expected[3], "type", None) == "meta":
             return expected[:3] == actual[:3] and expected[4:] == actual[4:]

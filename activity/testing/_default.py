@@ -22,41 +22,41 @@ def _functions(fw: Framework) -> dict[str, Callable[..., Any]]:
     """The catalogue's functions, written once for ``fw``'s array module."""
     xp = fw.xp
 
-    def scalar_to_scalar(t):
+    def scalar_to_scalar(t: Any) -> Any:
         return xp.sin(t) * t + t**3
 
-    def scalar_to_vector(t):
+    def scalar_to_vector(t: Any) -> Any:
         return fw.stack([xp.sin(t), t**2, xp.exp(t / 2)])
 
-    def two_scalars(s, t):
+    def two_scalars(s: Any, t: Any) -> Any:
         return fw.stack([xp.sin(s) * t**2, xp.exp(s * t)])
 
-    def vector_to_scalar(x):
+    def vector_to_scalar(x: Any) -> Any:
         return (xp.tanh(x) ** 2).sum() + (x**3).sum() / 3
 
-    def matrix_to_scalar(m):
+    def matrix_to_scalar(m: Any) -> Any:
         return xp.sin(m @ m.T).sum()
 
-    def vector_to_vector(x):
+    def vector_to_vector(x: Any) -> Any:
         return xp.sin(x) * x.sum() + x**2
 
-    def matrix_to_matrix(m):
+    def matrix_to_matrix(m: Any) -> Any:
         return xp.tanh(m @ m) + m.T
 
-    def pytree_to_scalar(params, x):
+    def pytree_to_scalar(params: Any, x: Any) -> Any:
         return (xp.tanh(x @ params["w"] + params["b"]) ** 2).sum() + params["scale"][0] ** 2
 
-    def pytree_to_pytree(params, x):
+    def pytree_to_pytree(params: Any, x: Any) -> Any:
         hidden = xp.tanh(x @ params["w"] + params["b"])
         return {"hidden": hidden, "summary": [(hidden**2).sum(), params["scale"][0] * hidden[0]]}
 
-    def several_to_scalar(w, b, x):
+    def several_to_scalar(w: Any, b: Any, x: Any) -> Any:
         return (xp.tanh(x @ w + b) ** 2).sum()
 
-    def several_to_vector(w, b, x):
+    def several_to_vector(w: Any, b: Any, x: Any) -> Any:
         return xp.sin(x @ w) * b.sum()
 
-    def vector_with_aux(x):
+    def vector_with_aux(x: Any) -> Any:
         value = (x**2).sum()
         return value, {"value_doubled": 2 * value, "note": "aux is returned untouched"}
 
@@ -72,23 +72,23 @@ def _functions(fw: Framework) -> dict[str, Callable[..., Any]]:
 # numpy; Jacobians, Hessians and pullbacks are assembled from these linear maps on basis vectors.
 
 
-def _jvp_scalar_to_scalar(t, v):
+def _jvp_scalar_to_scalar(t: Any, v: Any) -> Any:
     return ((np.cos(t) * t + np.sin(t) + 3 * t**2) * v,)
 
 
-def _d2_scalar_to_scalar(t):
+def _d2_scalar_to_scalar(t: Any) -> Any:
     return -np.sin(t) * t + 2 * np.cos(t) + 6 * t
 
 
-def _jvp_scalar_to_vector(t, v):
+def _jvp_scalar_to_vector(t: Any, v: Any) -> Any:
     return (np.array([np.cos(t), 2 * t, np.exp(t / 2) / 2]) * v,)
 
 
-def _d2_scalar_to_vector(t):
+def _d2_scalar_to_vector(t: Any) -> Any:
     return np.array([-np.sin(t), 2.0, np.exp(t / 2) / 4])
 
 
-def _partials_two_scalars(u, v):
+def _partials_two_scalars(u: Any, v: Any) -> Any:
     """First and second partial derivatives of ``[sin(u) v**2, exp(u v)]``."""
     e = np.exp(u * v)
     du, dv = np.array([np.cos(u) * v**2, v * e]), np.array([2 * v * np.sin(u), u * e])
@@ -98,57 +98,57 @@ def _partials_two_scalars(u, v):
     return (du, dv), ((duu, duv), (duv, dvv))
 
 
-def _grad_vector_to_scalar(x):
+def _grad_vector_to_scalar(x: Any) -> Any:
     h = np.tanh(x)
     return 2 * h * (1 - h**2) + x**2
 
 
-def _hvp_vector_to_scalar(x, v):
+def _hvp_vector_to_scalar(x: Any, v: Any) -> Any:
     h = np.tanh(x)
     return ((1 - h**2) * (2 - 6 * h**2) * v + 2 * x * v,)
 
 
-def _grad_matrix_to_scalar(m):
+def _grad_matrix_to_scalar(m: Any) -> Any:
     return 2 * np.cos(m @ m.T) @ m
 
 
-def _hvp_matrix_to_scalar(m, v):
+def _hvp_matrix_to_scalar(m: Any, v: Any) -> Any:
     a = m @ m.T
     return (2 * (-(np.sin(a) * (v @ m.T + m @ v.T)) @ m + np.cos(a) @ v),)
 
 
-def _jvp_vector_to_vector(x, v):
+def _jvp_vector_to_vector(x: Any, v: Any) -> Any:
     return (np.cos(x) * v * x.sum() + np.sin(x) * v.sum() + 2 * x * v,)
 
 
-def _jvp_matrix_to_matrix(m, v):
+def _jvp_matrix_to_matrix(m: Any, v: Any) -> Any:
     return ((1 - np.tanh(m @ m) ** 2) * (v @ m + m @ v) + v.T,)
 
 
-def _tanh_layer(w, b, x):
+def _tanh_layer(w: Any, b: Any, x: Any) -> Any:
     """``h = tanh(x w + b)``, ``dD/dz`` and ``D = d sum(h**2) / dz``."""
     h = np.tanh(x @ w + b)
     return h, 2 * h * (1 - h**2), (1 - h**2) * (2 - 6 * h**2)
 
 
-def _grad_several_to_scalar(w, b, x):
+def _grad_several_to_scalar(w: Any, b: Any, x: Any) -> Any:
     _, d, _ = _tanh_layer(w, b, x)
     return x.T @ d, d.sum(0)
 
 
-def _hvp_several_to_scalar(w, b, x, vw, vb):
+def _hvp_several_to_scalar(w: Any, b: Any, x: Any, vw: Any, vb: Any) -> Any:
     _, _, e = _tanh_layer(w, b, x)
     dd = e * (x @ vw + vb)
     return x.T @ dd, dd.sum(0)
 
 
-def _jvp_pytree_to_pytree(w, b, s, x, vw, vb, vs):
+def _jvp_pytree_to_pytree(w: Any, b: Any, s: Any, x: Any, vw: Any, vb: Any, vs: Any) -> Any:
     h = np.tanh(x @ w + b)
     dh = (1 - h**2) * (x @ vw + vb)
     return dh, np.asarray(2 * (h * dh).sum()), vs * h[0] + s * dh[0]
 
 
-def _jvp_several_to_vector(w, b, x, vw, vb):
+def _jvp_several_to_vector(w: Any, b: Any, x: Any, vw: Any, vb: Any) -> Any:
     z = x @ w
     return (np.cos(z) * (x @ vw) * b.sum() + np.sin(z) * vb.sum(),)
 
@@ -241,20 +241,20 @@ def default_scenarios(framework: str = "numpy") -> list[Scenario]:
     gw, gb = _grad_several_to_scalar(w_, b_, d_)
     g_p2s = _params_tree(gw, gb, one(2 * scale_))
 
-    def hvp_p2s(vw, vb, vs):
+    def hvp_p2s(vw: Any, vb: Any, vs: Any) -> Any:
         hw, hb = _hvp_several_to_scalar(w_, b_, d_, vw, vb)
         return _params_tree(hw, hb, one(2 * vs))
 
-    def jvp_v2v(v):
+    def jvp_v2v(v: Any) -> Any:
         return _jvp_vector_to_vector(x_, v)
 
-    def jvp_m2m(v):
+    def jvp_m2m(v: Any) -> Any:
         return _jvp_matrix_to_matrix(m_, v)
 
-    def jvp_p2p(vw, vb, vs):
+    def jvp_p2p(vw: Any, vb: Any, vs: Any) -> Any:
         return _jvp_pytree_to_pytree(w_, b_, scale_, d_, vw, vb, vs)
 
-    def jvp_s2v(vw, vb):
+    def jvp_s2v(vw: Any, vb: Any) -> Any:
         return _jvp_several_to_vector(w_, b_, d_, vw, vb)
 
     j_v2v, j_m2m = jac(jvp_v2v, x_)[0][0], jac(jvp_m2m, m_)[0][0]
@@ -303,7 +303,7 @@ def default_scenarios(framework: str = "numpy") -> list[Scenario]:
         "pytree_to_scalar": hvp_p2s(*tp_),
     }
 
-    def S(op, f, args, prep_args, name, **kw):
+    def S(op: Any, f: Any, args: Any, prep_args: Any, name: Any, **kw: Any) -> Any:
         return Scenario(op, fns[f], args, prep_args=prep_args, name=f"{op}-{name or f}", **kw)
 
     one_scalar = ((Active(t),), (Active(a(1.3)),))

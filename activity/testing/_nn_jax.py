@@ -45,14 +45,14 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
         weight: Any
         bias: Any
 
-        def __call__(self, x):
+        def __call__(self, x: Any) -> Any:
             return (self.weight * x + self.bias) ** 2
 
     class Maxout(eqx.Module):
         branches: list[Any]
         offset: Any = eqx.field(static=True)
 
-        def __call__(self, x):
+        def __call__(self, x: Any) -> Any:
             outs = jnp.stack([jnp.tanh(b(x)) for b in self.branches])
             return jnp.max(outs + jnp.asarray(self.offset)[:, None], axis=0)
 
@@ -60,14 +60,14 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
         inner: eqx.nn.Linear
         concat: bool = eqx.field(static=True)
 
-        def __call__(self, x):
+        def __call__(self, x: Any) -> Any:
             y = jnp.tanh(self.inner(x))
             return jnp.concatenate([y, x]) if self.concat else y + x
 
     class Chain(eqx.Module):
         layers: tuple[Any, ...]
 
-        def __call__(self, x):
+        def __call__(self, x: Any) -> Any:
             for layer in self.layers:
                 x = layer(x)
             return x
@@ -78,7 +78,7 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
 
         conv: eqx.nn.Conv2d
 
-        def __call__(self, x):
+        def __call__(self, x: Any) -> Any:
             ramp = 3.0 * jnp.tile(jnp.arange(4.0).reshape(2, 2), (2, 2))
             y = jnp.tanh(self.conv(x)) + ramp
             c, h, w = y.shape
@@ -87,14 +87,14 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
     class Attention(eqx.Module):
         mha: eqx.nn.MultiheadAttention
 
-        def __call__(self, x):
+        def __call__(self, x: Any) -> Any:
             return self.mha(x, x, x)
 
     class Unrolled(eqx.Module):
         cell: Any
         lstm: bool = eqx.field(static=True)
 
-        def __call__(self, xs):
+        def __call__(self, xs: Any) -> Any:
             size = self.cell.hidden_size
             state = (jnp.zeros(size), jnp.zeros(size)) if self.lstm else jnp.zeros(size)
             outputs = []
@@ -108,26 +108,26 @@ def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
 
         cell: eqx.nn.GRUCell
 
-        def __call__(self, xs):
-            def step(h, x):
+        def __call__(self, xs: Any) -> Any:
+            def step(h: Any, x: Any) -> Any:
                 h = self.cell(x, h)
                 return h, h
 
             return jax.lax.scan(step, jnp.zeros(self.cell.hidden_size), xs)[1]
 
-    def bilinear_loss(params, x):
+    def bilinear_loss(params: Any, x: Any) -> Any:
         return reduce(jnp.einsum("bi,oij,bj->bo", x, params["weight"], x) + params["bias"])
 
-    def batchnorm_loss(params, x):  # train mode: batch statistics
+    def batchnorm_loss(params: Any, x: Any) -> Any:  # train mode: batch statistics
         mean, var = x.mean(0), x.var(0)
         return reduce((x - mean) / jnp.sqrt(var + 1e-5) * params["weight"] + params["bias"])
 
-    def linear_batchnorm_loss(params, x):
+    def linear_batchnorm_loss(params: Any, x: Any) -> Any:
         h = jax.vmap(params["linear"])(x)
         mean, var = h.mean(0), h.var(0)
         return reduce((h - mean) / jnp.sqrt(var + 1e-5) * params["weight"] + params["bias"])
 
-    def embedding_loss(model, tokens):
+    def embedding_loss(model: Any, tokens: Any) -> Any:
         return reduce(jax.vmap(jax.vmap(model))(tokens))
 
     add("linear", lambda: eqx.nn.Linear(2, 4, key=key()), randn(3, 2))

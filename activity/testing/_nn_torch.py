@@ -10,7 +10,7 @@ keeps the winning branch ahead by far more than any finite-difference step.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from .._annotations import Active, Constant
 from ._scenario import Scenario
@@ -22,7 +22,7 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
 
     generator = torch.Generator().manual_seed(seed)
 
-    def randn(*shape: int, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+    def randn(*shape: int, scale: float = 1.0, dtype: Any = torch.float32) -> torch.Tensor:
         return scale * torch.randn(*shape, generator=generator, dtype=dtype)
 
     def build(make: Callable[[], nn.Module]) -> nn.Module:
@@ -45,7 +45,7 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
 
     scenarios: list[Scenario] = []
 
-    def add(name: str, make: Callable[[], nn.Module], x: torch.Tensor, f=loss, train: bool = True, **kw) -> None:
+    def add(name: str, make: Callable[[], nn.Module], x: torch.Tensor, f: Any = loss, train: bool = True, **kw: Any) -> None:
         model = build(make).train(train)
         prep_model = build(make).train(train)
         prep_x = x + 0.5 if x.dtype.is_floating_point else x.flip(0)
@@ -54,70 +54,70 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
         )
 
     class Scale(nn.Module):
-        def __init__(self, n):
+        def __init__(self, n: Any) -> None:
             super().__init__()
             self.weight = nn.Parameter(torch.ones(n))
             self.bias = nn.Parameter(torch.zeros(n))
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             return (self.weight * x + self.bias) ** 2
 
     class Maxout(nn.Module):
         """Max over three tanh branches; the offsets keep one branch ahead by at least 2."""
 
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.branches = nn.ModuleList(nn.Linear(5, 4) for _ in range(3))
             self.register_buffer("offset", torch.tensor([0.0, 2.5, 5.0]).reshape(3, 1, 1))
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             return torch.stack([torch.tanh(b(x)) for b in self.branches]).add(self.offset).amax(0)
 
     class Skip(nn.Module):
-        def __init__(self, concat):
+        def __init__(self, concat: Any) -> None:
             super().__init__()
             self.inner, self.concat = nn.Linear(2, 2), concat
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             y = torch.tanh(self.inner(x))
             return torch.cat([y, x], -1) if self.concat else y + x
 
     class BilinearSelf(nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.bilinear = nn.Bilinear(2, 2, 3)
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             return self.bilinear(x, x)
 
     class ConvMaxPool(nn.Module):
         """Max pooling after a convolution; a fixed ramp makes each window's winner clear."""
 
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.conv, self.pool = nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2)
             ramp = 3.0 * torch.arange(4.0).reshape(2, 2).repeat(2, 2)
             self.register_buffer("ramp", ramp)
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             return self.pool(torch.tanh(self.conv(x)) + self.ramp)
 
     class Attention(nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.mha = nn.MultiheadAttention(8, 2, bias=False, batch_first=True)
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             return self.mha(x, x, x)[0]
 
     class First(nn.Module):
         """A recurrent layer's output sequence (torch returns (output, state))."""
 
-        def __init__(self, *layers):
+        def __init__(self, *layers: Any) -> None:
             super().__init__()
             self.layers = nn.ModuleList(layers)
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             for layer in self.layers:
                 x = layer(x)[0]
             return x
@@ -125,11 +125,11 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
     class Unrolled(nn.Module):
         """A recurrent cell iterated three steps with explicit state."""
 
-        def __init__(self, cell, lstm=False):
+        def __init__(self, cell: Any, lstm: Any = False) -> None:
             super().__init__()
             self.cell, self.lstm = cell, lstm
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             state = None
             outputs = []
             for t in range(3):
@@ -138,18 +138,18 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
             return torch.stack(outputs, 1)
 
     class ChainedCells(nn.Module):
-        def __init__(self):
+        def __init__(self) -> None:
             super().__init__()
             self.first, self.second = nn.GRUCell(3, 4), nn.GRUCell(4, 2)
 
-        def forward(self, x):
+        def forward(self, x: Any) -> Any:
             h1 = h2 = None
             for t in range(3):
                 h1 = self.first(x[:, t], h1)
                 h2 = self.second(h1, h2)
             return h2
 
-    def embedding_loss(model, tokens):
+    def embedding_loss(model: Any, tokens: Any) -> Any:
         return loss(model, tokens)
 
     # Flux's cross-backend list

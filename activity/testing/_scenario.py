@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import sys
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -80,6 +80,20 @@ def _operator_function(op: Any) -> Callable[..., Any]:
     return getattr(activity, operator_of(op).name)
 
 
+def _operator_name(op: Callable[..., Any] | str) -> str:
+    return operator_of(op).name
+
+
+# Typed converters: with `converter=tuple` type checkers derive the parameter's type from
+# tuple's overloaded constructor, and refuse a list of annotations.
+def _arguments(args: Iterable[Annotation[Any]]) -> tuple[Annotation[Any], ...]:
+    return tuple(args)
+
+
+def _optional_arguments(args: Iterable[Annotation[Any]] | None) -> tuple[Annotation[Any], ...] | None:
+    return None if args is None else tuple(args)
+
+
 @attrs.define(eq=False, repr=False)
 class Scenario:
     """One test case: ``op(f, *args)``, its expected result and tolerances.
@@ -99,14 +113,14 @@ class Scenario:
     ('square', array([2., 4.]))
     """
 
-    op: Any = attrs.field(converter=lambda op: operator_of(op).name)
+    op: str = attrs.field(converter=_operator_name)
     f: Callable[..., Any]
-    args: tuple[Any, ...] = attrs.field(converter=tuple)
+    args: tuple[Annotation[Any], ...] = attrs.field(converter=_arguments)
     result: Any = attrs.field(default=None, kw_only=True)
     tangent: Any = attrs.field(default=None, kw_only=True)
     tangents: Sequence[Any] | None = attrs.field(default=None, kw_only=True)
-    prep_args: tuple[Any, ...] | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(tuple))
-    name: str | None = attrs.field(default=None, kw_only=True)
+    prep_args: tuple[Annotation[Any], ...] | None = attrs.field(default=None, kw_only=True, converter=_optional_arguments)
+    name: str = attrs.field(default=None, kw_only=True)  # None: named in __attrs_post_init__
     rtol: float | None = attrs.field(default=None, kw_only=True)
     atol: float | None = attrs.field(default=None, kw_only=True)
     options: dict[Any, Any] = attrs.field(factory=dict, kw_only=True)
