@@ -40,7 +40,7 @@ def _jax_registered(value: Any) -> bool:
     import jax
 
     treedef = jax.tree_util.tree_structure(value, is_leaf=lambda node: node is not value)
-    return not (treedef.num_nodes == 1 and treedef.num_leaves == 1)
+    return not (treedef.num_nodes == 1 and treedef.num_leaves == 1)  # type: ignore[attr-defined]
 
 
 def _register_jax_node(cls: type) -> None:
@@ -51,7 +51,7 @@ def _register_jax_node(cls: type) -> None:
         entries = tuple(jax.tree_util.keystr(path) for path, _ in pairs)
         return [child for _, child in pairs], treedef, entries
 
-    optree.register_pytree_node(cls, flatten, lambda treedef, children: treedef.unflatten(children), namespace=NAMESPACE)
+    optree.register_pytree_node(cls, flatten, lambda treedef, children: treedef.unflatten(children), namespace=NAMESPACE)  # type: ignore[union-attr]
 
 
 # ------------------------------------------------------------------ torch
@@ -80,7 +80,7 @@ def _register_torch_node(cls: type, node: Any) -> None:
     def unflatten(context: _Context, children: Any) -> Any:
         return node.unflatten_fn(list(children), context.value)
 
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
 class _Context:
@@ -146,7 +146,7 @@ def _builder(cls: type, fields: list[tuple[str, bool]]) -> Callable[[Any], Any]:
     if owner is object or owner.__module__ == "builtins":
 
         def blank(children: Any) -> Any:
-            node = cls.__new__(cls)
+            node = cls.__new__(cls)  # type: ignore[call-overload]
             for name, child in zip(names, children):
                 object.__setattr__(node, name, child)  # frozen classes allow object.__setattr__
             return node
@@ -185,7 +185,7 @@ def _register_mapping_node(cls: type) -> None:
     def unflatten(keys: tuple[Any, ...], children: Any) -> Any:
         return cls(**dict(zip(keys, children)))
 
-    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
 def _fields(cls: type) -> list[tuple[str, bool]] | None:
@@ -224,7 +224,7 @@ def _learn_type(value: Any) -> bool:
     return _node_types[cls]
 
 
-LEAF = optree.tree_structure(0, namespace=NAMESPACE)  # the structure of any single leaf
+LEAF = optree.tree_structure(0, namespace=NAMESPACE)  # type: ignore[arg-type]  # the structure of any single leaf
 
 
 def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -130,7 +130,7 @@ class AutoFiniteDifferences(Backend):
     def context(self) -> contextlib.AbstractContextManager[Any]:
         if "jax" not in sys.modules:
             return contextlib.nullcontext()
-        return sys.modules["jax"].enable_x64(True)
+        return sys.modules["jax"].enable_x64(True)  # type: ignore[no-any-return]
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
@@ -165,11 +165,11 @@ class AutoFiniteDifferences(Backend):
             ys = None
             if state["traceable"]:
                 try:
-                    ys, aux = compiled.jitted(xs_, F.ctx)
+                    ys, aux = compiled.jitted(xs_, F.ctx)  # type: ignore[attr-defined]
                 except (jax.errors.JAXTypeError, TypeError):
                     state["traceable"] = False
                 else:
-                    F.traced.out_spec, F.traced.aux_static = compiled.traced.out_spec, compiled.traced.aux_static
+                    F.traced.out_spec, F.traced.aux_static = compiled.traced.out_spec, compiled.traced.aux_static  # type: ignore[attr-defined]
             if ys is None:
                 ys, aux = F(tuple(jax.numpy.asarray(x) for x in xs_))
             return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
@@ -207,6 +207,7 @@ class AutoFiniteDifferences(Backend):
 
         # A first step too large for the function's scale or domain (log near 0) shows as a large
         # error estimate or nan: start again ten times smaller, keep the best estimate.
+        best: Flat | None
         best, best_error, step = None, math.inf, self.step
         for _ in range(self.retries):
             estimate, error = self._ridders(central, step)
@@ -217,7 +218,7 @@ class AutoFiniteDifferences(Backend):
             step /= 10
         if raised and not math.isfinite(best_error):
             raise raised[-1]  # no step stayed inside f's domain: f's own error, as it raised it
-        return ys, aux, tuple(e * scale for e in best)
+        return ys, aux, tuple(e * scale for e in best)  # type: ignore[union-attr]
 
     def _loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
         """A batch of tangents, one after the other (no vmap for arbitrary functions)."""
@@ -306,7 +307,7 @@ def _compiled_for(F: Any) -> _Compiled:
 
         def whole(xs: Flat, ctx: Flat) -> tuple[Flat, Any]:
             traced = Traced()
-            ys, aux = problem().function(f, ctx, traced, **dict(flags))(xs)
+            ys, aux = problem().function(f, ctx, traced, **dict(flags))(xs)  # type: ignore[union-attr]
             entry.traced = traced
             return ys, aux
 
@@ -332,8 +333,8 @@ def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
 
 def _bits(y: Any) -> int:
     if arrays.is_torch(y):
-        return y.element_size() * 8
-    return np.dtype(y.dtype).itemsize * 8
+        return y.element_size() * 8  # type: ignore[no-any-return]
+    return np.dtype(y.dtype).itemsize * 8  # type: ignore[no-any-return]
 
 
 def _for(F: Any, leaves: Flat) -> Flat:

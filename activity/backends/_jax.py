@@ -67,7 +67,7 @@ class AutoJAX(Backend):
         jax = _jax()
 
         def one(tangent: Flat) -> tuple[Any, ...]:
-            return jax.jvp(F, (xs,), (tangent,), has_aux=True)
+            return jax.jvp(F, (xs,), (tangent,), has_aux=True)  # type: ignore[no-any-return]
 
         if not batched:
             ys, dys, aux = one(ts)
@@ -81,8 +81,8 @@ class AutoJAX(Backend):
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if batched:
-                return jax.vmap(lambda ct: pull_one(ct)[0])(cts)
-            return pull_one(cts)[0]
+                return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
+            return pull_one(cts)[0]  # type: ignore[no-any-return]
 
         return ys, aux, pull
 
@@ -361,10 +361,10 @@ def _stale_reason(leaf: Any) -> str | None:
             vars(leaf)
         except TypeError:  # no attributes to set: numbers, strings, dtypes
             return None
-        mutable = cls.__hash__ is None or cls.__eq__ is object.__eq__
+        mutable = cls.__hash__ is None or cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
     if not mutable:
         return None
-    identity = ", for this class identity" if cls.__eq__ is object.__eq__ else ""
+    identity = ", for this class identity" if cls.__eq__ is object.__eq__ else ""  # type: ignore[comparison-overlap]
     return (
         f"a {cls.__name__}, which can change in place. {_STATIC_RULE}{identity}: the same object always "
         f"matches itself, so changing it between calls is not seen. Pass what changes as arrays (e.g. "
@@ -380,6 +380,7 @@ def _captures_writable_numpy(function: Any) -> bool:
 def caller_stacklevel() -> int:
     """The ``stacklevel`` for `warnings.warn` that points at the caller's code: the first
     frame outside activity and JAX (a warning may be raised while JAX traces)."""
+    frame: types.FrameType | None
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("activity", "jax", "jaxlib"):
         frame, level = frame.f_back, level + 1

@@ -47,8 +47,8 @@ class SecondOrder(Backend):
     np.float64(-1.0)
     """
 
-    outer: Backend = attrs.field(validator=_is_backend)  # type: ignore[assignment]
-    inner: Backend = attrs.field(validator=_is_backend)  # type: ignore[assignment]
+    outer: Backend = attrs.field(validator=_is_backend)
+    inner: Backend = attrs.field(validator=_is_backend)
     mode: str = attrs.field(default="forward-over-reverse", validator=_is_mode)
 
     def supports(self, operator: str, kind: str, mode: str = "unprepared") -> bool:

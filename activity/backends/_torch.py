@@ -406,13 +406,13 @@ def _func_vjp(F: FlatFunction, xs: Flat, backend: AutoTorch) -> tuple[Flat, Any,
     ys, pull_one, aux = torch.func.vjp(_checked_reverse(F), xs, has_aux=True)
 
     def one(cts: Flat) -> Flat:
-        return pull_one(cts)[0]
+        return pull_one(cts)[0]  # type: ignore[no-any-return]
 
     def pull(cts: Flat, batched: bool) -> Flat:
         if not batched:
             return one(cts)
         if backend.vectorize:
-            return torch.func.vmap(one, randomness=backend.randomness)(cts)
+            return torch.func.vmap(one, randomness=backend.randomness)(cts)  # type: ignore[no-any-return]
         # One cotangent at a time (the outer transform still vectorises each): torch's batching
         # rules are not all right, and under a transform no value can be inspected to check them.
         return _loop(one, cts)
@@ -466,7 +466,7 @@ def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoT
             return ys, aux, tuple(torch.stack([r[1][j] for r in results]) for j in range(len(ys)))
         # out_dims=0 throughout: under an outer vmap the primal outputs are batched too.
         ys, dys, aux = torch.func.vmap(one, randomness=backend.randomness)(ts)
-    first = lambda tree: torch.utils._pytree.tree_map(lambda leaf: leaf[0], tree)  # noqa: E731
+    first: Callable[[Any], Any] = lambda tree: torch.utils._pytree.tree_map(lambda leaf: leaf[0], tree)  # noqa: E731
     return first(ys), first(aux), dys
 
 

@@ -290,7 +290,7 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
         if id(m) in index_of:
             return index_of[id(m)]
         if optimized is not None and isinstance(m, optimized):
-            index_of[id(m)] = found = visit(m._orig_mod)  # torch.compile(m): its eager code, through a view
+            index_of[id(m)] = found = visit(m._orig_mod)  # type: ignore[attr-defined]  # torch.compile(m): its eager code, through a view
             return found
         children = tuple((k, -1 if c is None else visit(c)) for k, c in m._modules.items())
         copied = (

@@ -65,7 +65,7 @@ def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, no
 def _backends(framework: str) -> list[Any]:
     import activity as ad
 
-    return {"numpy": [ad.AutoFiniteDifferences()], "jax": [ad.AutoJAX()], "torch": [ad.AutoTorch()]}[framework]
+    return {"numpy": [ad.AutoFiniteDifferences()], "jax": [ad.AutoJAX()], "torch": [ad.AutoTorch()]}[framework]  # type: ignore[return-value]
 
 
 def _time(fn: Any, repeat: int = 15, inner: int = 10) -> float:
@@ -95,6 +95,8 @@ def _raw_jax(scenario: Any, values: list[Any], active: set[Any]) -> Any:
     import jax.numpy as jnp
 
     f, flat = _loss(scenario), [jax.tree_util.tree_flatten(v) for v in values]
+    diff: list[Any]
+    rest: list[Any]
     diff, rest, slots = [], [], []
     for i, (leaves, _) in enumerate(flat):
         arg_slots = []
@@ -120,7 +122,7 @@ def _raw_jax(scenario: Any, values: list[Any], active: set[Any]) -> Any:
         return f(*args)
 
     raw = jax.jit(jax.grad(loss))
-    return lambda: jax.block_until_ready(raw(diff, rest))
+    return lambda: jax.block_until_ready(raw(diff, rest))  # type: ignore[no-untyped-call]
 
 
 def _raw_torch(scenario: Any, values: list[Any], active: set[Any]) -> Any:
@@ -128,6 +130,7 @@ def _raw_torch(scenario: Any, values: list[Any], active: set[Any]) -> Any:
     import torch
     from torch.utils import _pytree
 
+    wrt: list[Any]
     f, args, wrt = _loss(scenario), [], []
     for i, value in enumerate(values):
         if i in active and isinstance(value, torch.nn.Module):
@@ -181,7 +184,7 @@ def bench(scenarios: list[Any], repeat: int = 15, out: Any = None) -> tuple[int,
             if s.framework == "jax":
                 import jax
 
-                ours = lambda prep=prep, s=s: jax.block_until_ready(prep(*s.args))  # noqa: E731
+                ours = lambda prep=prep, s=s: jax.block_until_ready(prep(*s.args))  # type: ignore[no-untyped-call]  # noqa: E731
             else:
                 ours = lambda prep=prep, s=s: prep(*s.args)  # noqa: E731
             t_raw, t_ours = _time(raw, repeat), _time(ours, repeat)

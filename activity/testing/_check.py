@@ -145,11 +145,11 @@ def check(
 
         for i, (u, v) in enumerate(zip(tangents, cotangents)):
             if "pushforward" in chosen:
-                jvp = run(f"pushforward[u{i}]", lambda u=u: ad.pushforward(f, *args, tangent=u, backend=backend))
+                jvp = run(f"pushforward[u{i}]", lambda u=u: ad.pushforward(f, *args, tangent=u, backend=backend))  # type: ignore[misc]
                 if jvp is not None:
                     compare(f"pushforward[u{i}] on {label} vs reference", jvp, ref_jvps[i], True)
             if "pullback" in chosen:
-                vjp = run(f"pullback[v{i}]", lambda v=v: ad.pullback(f, *args, cotangent=v, backend=backend))
+                vjp = run(f"pullback[v{i}]", lambda v=v: ad.pullback(f, *args, cotangent=v, backend=backend))  # type: ignore[misc]
                 if vjp is not None:
                     compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True)
             if "gradient" in chosen:
@@ -157,7 +157,7 @@ def check(
                 if grad is not None:
                     compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True)
             if "hvp" in chosen:
-                hvp = run(f"hvp[u{i}]", lambda u=u: ad.hvp(f, *args, tangent=u, backend=backend))
+                hvp = run(f"hvp[u{i}]", lambda u=u: ad.hvp(f, *args, tangent=u, backend=backend))  # type: ignore[misc]
                 if hvp is not None:
                     # finite differences of the backend's gradient (checked above) along u
                     outer = ad.SecondOrder(reference, backend) if isinstance(reference, AutoFiniteDifferences) else reference

@@ -46,7 +46,7 @@ def _worst(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: float) -
     )
 
 
-def _plain(got: Any, expected: Any) -> tuple[str, str]:
+def _plain(got: Any, expected: Any) -> tuple[str, ...]:
     """Two numbers printed plainly (``4.04``, not ``np.float64(4.039999999999967)``), with just
     enough significant digits to tell them apart."""
     pair = [complex(v) if np.iscomplexobj(v) else float(v) for v in (got, expected)]

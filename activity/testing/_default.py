@@ -237,7 +237,7 @@ def default_scenarios(framework: str = "numpy") -> list[Scenario]:
     h_m2s = jac(lambda v: _hvp_matrix_to_scalar(m_, v), m_)[0][0]
     g_several = _grad_several_to_scalar(w_, b_, d_)
     h_several = jac(lambda vw, vb: _hvp_several_to_scalar(w_, b_, d_, vw, vb), w_, b_)
-    h_several = ((h_several[0][0], h_several[0][1]), (h_several[1][0], h_several[1][1]))
+    h_several = ((h_several[0][0], h_several[0][1]), (h_several[1][0], h_several[1][1]))  # type: ignore[assignment]
     gw, gb = _grad_several_to_scalar(w_, b_, d_)
     g_p2s = _params_tree(gw, gb, one(2 * scale_))
 
@@ -356,7 +356,7 @@ def default_scenarios(framework: str = "numpy") -> list[Scenario]:
     for op in ("hessian", "value_gradient_and_hessian"):
         for name, hessian in hessians.items():
             value, gradient = gradients[name]
-            result = hessian if op == "hessian" else (value, gradient, hessian)
+            result = hessian if op == "hessian" else (value, gradient, hessian)  # type: ignore[assignment]
             scenarios.append(S(op, name, *args_of[name], None, result=result))
     hvp_tangents = {"vector_to_scalar": tangent_x, "pytree_to_scalar": tangent_p}
     for op in ("hvp", "gradient_and_hvp"):

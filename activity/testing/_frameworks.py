@@ -16,6 +16,7 @@ class Framework:
         if name not in FRAMEWORKS:
             raise ValueError(f"unknown framework {name!r}; choose one of {FRAMEWORKS}.")
         self.name = name
+        self.xp: Any
         if name == "jax":
             import jax.numpy as jnp
 

@@ -54,7 +54,7 @@ def _same(before: Any, leaf: Any) -> bool:
 
 def _rng_states() -> dict[str, Any]:
     kind, key, position, has_gauss, gauss = np.random.get_state()
-    states: dict[str, Any] = {"random": random.getstate(), "numpy": (kind, key.copy(), position, has_gauss, gauss)}
+    states: dict[str, Any] = {"random": random.getstate(), "numpy": (kind, key.copy(), position, has_gauss, gauss)}  # type: ignore[attr-defined]
     if "torch" in sys.modules:
         states["torch"] = sys.modules["torch"].random.get_rng_state().clone()
     return states

@@ -41,7 +41,7 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
 
     def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = model(x)
-        return (out**2).mean() + out.mean()
+        return (out**2).mean() + out.mean()  # type: ignore[no-any-return]
 
     scenarios: list[Scenario] = []
 
@@ -71,7 +71,7 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
             self.register_buffer("offset", torch.tensor([0.0, 2.5, 5.0]).reshape(3, 1, 1))
 
         def forward(self, x: Any) -> Any:
-            return torch.stack([torch.tanh(b(x)) for b in self.branches]).add(self.offset).amax(0)
+            return torch.stack([torch.tanh(b(x)) for b in self.branches]).add(self.offset).amax(0)  # type: ignore[arg-type]
 
     class Skip(nn.Module):
         def __init__(self, concat: Any) -> None:
@@ -100,7 +100,7 @@ def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
             self.register_buffer("ramp", ramp)
 
         def forward(self, x: Any) -> Any:
-            return self.pool(torch.tanh(self.conv(x)) + self.ramp)
+            return self.pool(torch.tanh(self.conv(x)) + self.ramp)  # type: ignore[operator]
 
     class Attention(nn.Module):
         def __init__(self) -> None:

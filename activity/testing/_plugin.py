@@ -144,7 +144,7 @@ def pytest_params(backends: Any, scenarios: Any, **kwargs: Any) -> tuple[list[An
 
     params, ids = [], []
     for p in plan(backends, scenarios, **kwargs):
-        marks = ()
+        marks: tuple[Any, ...] = ()
         if p.action in ("skip", "unsupported"):
             marks = (pytest.mark.skip(reason=p.reason),)
         elif p.action == "broken":

@@ -140,7 +140,7 @@ class Manifest:
     """
 
     def __init__(self, backends: Sequence[Any], scenarios: Sequence[Scenario], *, broken: Any = None, skip: Any = None):
-        self.entries = {"broken": self._validated("broken", broken), "skip": self._validated("skip", skip)}
+        self.entries: dict[str, dict[Any, str]] = {"broken": self._validated("broken", broken), "skip": self._validated("skip", skip)}
         self.names = {id(b): {backend_name(b), type(b).__name__} for b in backends}
         if not (self.entries["broken"] or self.entries["skip"]):
             return
@@ -191,8 +191,8 @@ class Manifest:
         text = f"{which}= key {_key_text(key)} matches no case that runs"
         matched = [(b, s) for b, s in everything if self._matches(key, b, s)]
         if matched:
-            statuses = sorted({status_before_running(b, s) for b, s in matched})
-            text += f" (it matches only cases that are {' or '.join(statuses)})"
+            statuses = sorted({status_before_running(b, s) for b, s in matched})  # type: ignore[type-var]
+            text += f" (it matches only cases that are {' or '.join(statuses)})"  # type: ignore[arg-type]
         else:
             parts = list(key) if isinstance(key, tuple) else [key]
             hints = []

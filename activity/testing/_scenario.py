@@ -39,7 +39,7 @@ def _reads_what_it_writes(scenario: "Scenario") -> str | None:
     arguments, with the same random numbers, tell: they differ only if ``f`` reads
     what it wrote. (BatchNorm in train mode writes statistics it does not read.)
     """
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     values = tuple(a.value for a in scenario.args)
     stateful = torch is not None and any(
         isinstance(leaf, torch.nn.Module) and any(True for _ in leaf.buffers()) for leaf in flatten(values)[0]
@@ -77,7 +77,7 @@ def _host(leaf: Any) -> Any:
 def _operator_function(op: Any) -> Callable[..., Any]:
     import activity
 
-    return getattr(activity, operator_of(op).name)
+    return getattr(activity, operator_of(op).name)  # type: ignore[no-any-return]
 
 
 def _operator_name(op: Callable[..., Any] | str) -> str:
@@ -125,9 +125,9 @@ class Scenario:
     atol: float | None = attrs.field(default=None, kw_only=True)
     options: dict[Any, Any] = attrs.field(factory=dict, kw_only=True)
     # (scenario, function): the expected result is function(scenario's expected result); set by transforms
-    derived_from: tuple[Any, ...] | None = attrs.field(default=None, kw_only=True)
+    derived_from: tuple[Scenario, Callable[[Any], Any]] | None = attrs.field(default=None, kw_only=True)
     _expected: dict[Any, Any] = attrs.field(factory=dict, init=False)
-    _unreliable: dict[Any, Any] = attrs.field(factory=dict, init=False)  # reference repr -> why its result is unreliable
+    _unreliable: dict[str, str] = attrs.field(factory=dict, init=False)  # reference repr -> why its result is unreliable
 
     def __attrs_post_init__(self) -> None:
         for position, arg in enumerate(self.args):
@@ -153,7 +153,7 @@ class Scenario:
     @property
     def framework(self) -> str:
         """``"torch"``, ``"jax"`` or ``"numpy"``: the framework of the arguments' arrays."""
-        found = set()
+        found: set[str | None] = set()
         for arg in self.args:
             leaves, _ = flatten(arg.value)
             found.update(arrays.framework(leaf) for leaf in leaves)

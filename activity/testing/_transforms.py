@@ -144,7 +144,7 @@ def closurify(scenario: Scenario) -> Scenario:
         it = iter(values)
         return f(*(constants[i] if i in constants else next(it) for i in range(total)))
 
-    keep = lambda args: None if args is None else tuple(a for a in args if a.kind != "constant")  # noqa: E731
+    keep: Callable[[Any], Any] = lambda args: None if args is None else tuple(a for a in args if a.kind != "constant")  # noqa: E731
     return scenario.derive(f=closure, args=keep(scenario.args), prep_args=keep(scenario.prep_args), name=scenario.name + "+closure")
 
 
