@@ -55,8 +55,8 @@ class Prepared(Generic[R]):
         self._max_signatures = max_signatures
         self._lock = threading.Lock()
         self._local = threading.local()  # strict=False: this thread's call, while the compiled call runs
-        self.operator = plan.operator.name
-        self.backend = plan.backend
+        self.operator: str = plan.operator.name
+        self.backend: Backend = plan.backend
         self._new_signatures = 0  # plans made after prepare, for the warning
         self._warned = False
         self._compiled_signatures = 1  # signatures traced into the compiled call

@@ -138,16 +138,16 @@ class Problem:
         self.diff_framework_of: dict[int, str | None] = {}  # flat index -> framework (modules: torch)
         self.module_names: dict[tuple[int, int], list[str]] = {}
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
-        self.arrays_only = True  # every leaf of every argument is an array: a backend may take them whole
+        self.arrays_only: bool = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
         self.adapted: dict[int, tuple[Any, ...]] = {}
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value)
-        self.active_positions = tuple(i for i, k in enumerate(kinds) if k == "active")
-        self.bare = tuple(spec.is_leaf() for spec in self.specs)  # the argument is one leaf, not a tree
+        self.active_positions: tuple[int, ...] = tuple(i for i, k in enumerate(kinds) if k == "active")
+        self.bare: tuple[bool, ...] = tuple(spec.is_leaf() for spec in self.specs)  # the argument is one leaf, not a tree
         # the type of each one-leaf argument (None for trees): a value of that type is that leaf
-        self.bare_types = tuple(type(value) if bare else None for value, bare in zip(values, self.bare))
+        self.bare_types: tuple[type[Any] | None, ...] = tuple(type(value) if bare else None for value, bare in zip(values, self.bare))
 
     # ------------------------------------------------------------------ parsing
 

@@ -116,6 +116,16 @@ def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple[Any, ..
 class Plan:
     """Everything one-time for an operator on one call signature: checks, problem, pipeline."""
 
+    operator: Operator
+    backend: Backend
+    f: Callable[..., Any]
+    options: dict[str, Any]
+    problem: Problem
+    seeds: Seeds | None
+    seed_key: tuple[Any, ...] | None
+    pipeline: Callable[..., Any]  # compiled by the backend once prepared
+    source_pipeline: Callable[..., Any]
+
     def __init__(
         self,
         operator: Operator,

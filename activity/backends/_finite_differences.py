@@ -13,7 +13,7 @@ import math
 import sys
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import attrs
 import numpy as np
@@ -87,7 +87,7 @@ class AutoFiniteDifferences(Backend):
     shrink: float = attrs.field(default=1.4, validator=_greater_than_one)
     max_steps: int = attrs.field(default=10, validator=_count("max_steps", 2, "Ridders' method needs two steps"))
     retries: int = attrs.field(default=4, validator=_count("retries", 1, "one start at least"))
-    framework = None  # works on numpy, JAX and torch values
+    framework: ClassVar[str | None] = None  # works on numpy, JAX and torch values
     copies_inputs = True  # f is evaluated many times on the same values: none may change the next
 
     def fresh_input(self, leaf: Any) -> Any:

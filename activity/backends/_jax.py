@@ -7,7 +7,7 @@ import sys
 import threading
 import types
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import attrs
 import numpy as np
@@ -39,7 +39,7 @@ class AutoJAX(Backend):
     Array([2., 8.], dtype=float32)
     """
 
-    framework = "jax"
+    framework: ClassVar[str | None] = "jax"
 
     def as_array(self, leaf: Any) -> Any:
         return _jax().numpy.asarray(leaf) if isinstance(leaf, float) else leaf

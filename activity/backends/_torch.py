@@ -24,7 +24,7 @@ import math
 import sys
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import attrs
 
@@ -126,7 +126,7 @@ class AutoTorch(Backend):
     hvp_mode: str = attrs.field(default="auto", validator=_in_choices("hvp_mode", _HVP_MODES))
     vectorize: bool | None = attrs.field(default=None, validator=_in_choices("vectorize", (None, True, False)))
     randomness: str = attrs.field(default="error", validator=_in_choices("randomness", ("error", "different", "same")))
-    framework = "torch"
+    framework: ClassVar[str | None] = "torch"
 
     def __repr__(self) -> str:
         changed = [f"{a.name}={getattr(self, a.name)!r}" for a in attrs.fields(type(self)) if getattr(self, a.name) != a.default]

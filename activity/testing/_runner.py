@@ -268,6 +268,10 @@ class Report:
     ``UNEXPECTED PASS``; ``-`` where the pair was not run at all.
     """
 
+    backends: list[str]
+    scenarios: list[str]
+    outcomes: list[Outcome]
+
     def __init__(self, backends: Sequence[str], scenarios: Sequence[str], outcomes: list[Outcome]):
         self.backends, self.scenarios, self.outcomes = list(backends), list(scenarios), outcomes
 
