@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import torch
+from flax import nnx
 from typing_extensions import assert_type
 
 import activity as ad
@@ -66,6 +68,23 @@ jac = ad.jacobian(jnp.sin, Active(w))  # a layout built from both structures: An
 several: tuple[jax.Array, jax.Array] = ad.gradient(loss, Active(params), Active(jarray([[1.0] * 3] * 4)))
 prepared_hvp = ad.prepare(ad.hvp, cube_sum, Active(w), tangent=jarray([1.0] * 3))
 assert isinstance(prepared_hvp(w, tangent=jarray([1.0] * 3)), jax.Array)
+
+
+# -- JAX models: an Equinox module's gradient is that module; an NNX module's, its nnx.State -------
+def eqx_loss(model: eqx.nn.Linear, x: jax.Array) -> jax.Array:
+    return jnp.sum(model(x) ** 2)
+
+
+def nnx_loss(model: nnx.Linear, x: jax.Array) -> jax.Array:
+    return jnp.sum(model(x) ** 2)
+
+
+eqx_grads = ad.gradient(eqx_loss, Active(eqx.nn.Linear(3, 2, key=jax.random.key(0))), Constant(w))
+assert_type(eqx_grads, eqx.nn.Linear)
+assert isinstance(eqx_grads, eqx.nn.Linear)
+nnx_grads = ad.gradient(nnx_loss, Active(nnx.Linear(3, 2, rngs=nnx.Rngs(0))), Constant(w))
+assert_type(nnx_grads, nnx.State[Any, Any])
+assert isinstance(nnx_grads, nnx.State)
 
 
 # -- PyTorch: a module gives a dict keyed like named_parameters() ---------------------------------

@@ -8,7 +8,7 @@ from .._annotations import Active, Annotation
 from .._problem import Problem
 from ..backends import Backend
 from ._common import Operator, Seeds, call, register, start, with_value
-from ._typing import A, Data, ModuleGradient, R, T, TorchModuleLike
+from ._typing import A, Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
 
 
 def _build(
@@ -30,9 +30,19 @@ def gradient(
 ) -> ModuleGradient: ...
 @overload
 def gradient(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+) -> NNXGradient: ...
+@overload
+def gradient(
     f: Callable[..., tuple[Any, A]], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[True],
 ) -> tuple[ModuleGradient, A]: ...
+@overload
+def gradient(
+    f: Callable[..., tuple[Any, A]], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+) -> tuple[NNXGradient, A]: ...
 @overload
 def gradient(
     f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
@@ -71,6 +81,10 @@ def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
 def value_and_gradient(
     f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
 ) -> tuple[R, ModuleGradient]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+) -> tuple[R, NNXGradient]: ...
 @overload
 def value_and_gradient(
     f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False

@@ -10,7 +10,7 @@ from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis
 from ._common import blocks, call, Operator, register, Seeds, start
-from ._typing import Data, ModuleGradient, R, T, TorchModuleLike
+from ._typing import Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
 
 
 def _build(
@@ -50,6 +50,10 @@ def hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | No
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None,
 ) -> tuple[R, ModuleGradient, Any]: ...
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None,
+) -> tuple[R, NNXGradient, Any]: ...
 @overload
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None,

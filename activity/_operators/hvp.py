@@ -8,7 +8,7 @@ from .._annotations import Active, Annotation
 from .._problem import Problem
 from ..backends import Backend
 from ._common import call, Operator, per_seed, register, Seeds, start
-from ._typing import Data, ModuleGradient, T, TorchModuleLike
+from ._typing import Data, ModuleGradient, NNXGradient, NNXModuleLike, T, TorchModuleLike
 
 
 def _build(
@@ -29,8 +29,16 @@ def hvp(
 ) -> ModuleGradient: ...
 @overload
 def hvp(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> NNXGradient: ...
+@overload
+def hvp(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> list[ModuleGradient]: ...
+@overload
+def hvp(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> list[NNXGradient]: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
@@ -64,8 +72,16 @@ def gradient_and_hvp(
 ) -> tuple[ModuleGradient, ModuleGradient]: ...
 @overload
 def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+) -> tuple[NNXGradient, NNXGradient]: ...
+@overload
+def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> tuple[ModuleGradient, list[ModuleGradient]]: ...
+@overload
+def gradient_and_hvp(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+) -> tuple[NNXGradient, list[NNXGradient]]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, tangent: Any = None, tangents: Any = None,

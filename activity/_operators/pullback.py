@@ -10,7 +10,7 @@ from .._annotations import Active, Annotation
 from .._problem import Problem, Traced
 from ..backends import Backend
 from ._common import call, Operator, per_seed, register, Seeds, start
-from ._typing import Data, ModuleGradient, R, T, TorchModuleLike
+from ._typing import Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
 
 
 def _build(
@@ -53,8 +53,16 @@ def pullback(
 ) -> ModuleGradient: ...
 @overload
 def pullback(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+) -> NNXGradient: ...
+@overload
+def pullback(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> list[ModuleGradient]: ...
+@overload
+def pullback(
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+) -> list[NNXGradient]: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
@@ -93,8 +101,16 @@ def value_and_pullback(
 ) -> tuple[R, ModuleGradient]: ...
 @overload
 def value_and_pullback(
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+) -> tuple[R, NNXGradient]: ...
+@overload
+def value_and_pullback(
     f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> tuple[R, list[ModuleGradient]]: ...
+@overload
+def value_and_pullback(
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+) -> tuple[R, list[NNXGradient]]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
