@@ -25,35 +25,43 @@ def _build(
 
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> ModuleGradient: ...
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> NNXGradient: ...
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> list[ModuleGradient]: ...
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> list[NNXGradient]: ...
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    f: Callable[..., Any], arg: Active[float], /, *args: Data,
+    backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
 ) -> Any: ...
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> T: ...
 @overload
 def hvp(
-    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> list[T]: ...
 @overload
 def hvp(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    f: Callable[..., Any], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
 ) -> Any: ...
 def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
     """Hessian-vector product of a scalar ``f`` along ``tangent`` (a list for ``tangents=[...]``).
@@ -68,35 +76,43 @@ def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None =
 
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> tuple[ModuleGradient, ModuleGradient]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> tuple[NNXGradient, NNXGradient]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> tuple[ModuleGradient, list[ModuleGradient]]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> tuple[NNXGradient, list[NNXGradient]]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    f: Callable[..., Any], arg: Active[float], /, *args: Data,
+    backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
 ) -> tuple[Any, Any]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> tuple[T, T]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> tuple[T, list[T]]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    f: Callable[..., Any], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
 ) -> Any: ...
 def gradient_and_hvp(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None

@@ -49,35 +49,43 @@ def _checked(problem: Problem, traced: Traced, seeds: Seeds, cts: Any, ys: tuple
 
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any, cotangents: None = None,
 ) -> ModuleGradient: ...
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any, cotangents: None = None,
 ) -> NNXGradient: ...
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> list[ModuleGradient]: ...
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> list[NNXGradient]: ...
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    f: Callable[..., Any], arg: Active[float], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
 ) -> Any: ...
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any, cotangents: None = None,
 ) -> T: ...
 @overload
 def pullback(
-    f: Callable[..., Any], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    f: Callable[..., Any], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> list[T]: ...
 @overload
 def pullback(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    f: Callable[..., Any], *args: Annotation[Any],
+    backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
 ) -> Any: ...
 def pullback(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
@@ -97,35 +105,43 @@ def pullback(
 
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any, cotangents: None = None,
 ) -> tuple[R, ModuleGradient]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any, cotangents: None = None,
 ) -> tuple[R, NNXGradient]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> tuple[R, list[ModuleGradient]]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> tuple[R, list[NNXGradient]]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    f: Callable[..., R], arg: Active[float], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
 ) -> tuple[R, Any]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    f: Callable[..., R], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, cotangent: Any, cotangents: None = None,
 ) -> tuple[R, T]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    f: Callable[..., R], arg: Active[T], /, *args: Data,
+    backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
 ) -> tuple[R, list[T]]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
 ) -> tuple[R, Any]: ...
 def value_and_pullback(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None

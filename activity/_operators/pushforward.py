@@ -25,15 +25,18 @@ def _build(
 
 @overload
 def pushforward(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> R: ...
 @overload
 def pushforward(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> list[R]: ...
 @overload
 def pushforward(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
 ) -> Any: ...
 def pushforward(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
@@ -54,15 +57,18 @@ def pushforward(
 
 @overload
 def value_and_pushforward(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any, tangents: None = None,
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: Any, tangents: None = None,
 ) -> tuple[R, R]: ...
 @overload
 def value_and_pushforward(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
 ) -> tuple[R, list[R]]: ...
 @overload
 def value_and_pushforward(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    f: Callable[..., R], *args: Annotation[Any],
+    backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
 ) -> tuple[R, Any]: ...
 def value_and_pushforward(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
