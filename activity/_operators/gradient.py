@@ -88,7 +88,7 @@ def value_and_gradient(
 @overload
 def value_and_gradient(
     f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
-) -> tuple[Any, Any]: ...
+) -> tuple[R, Any]: ...
 @overload
 def value_and_gradient(
     f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
