@@ -124,9 +124,8 @@ def _nothing_to_differentiate(value: Any, leaves: Sequence[Any]) -> str:
     if modules and any(True for module in modules for _ in module.parameters()):
         return (
             f"is Active({type(modules[0]).__name__}), but every parameter of that torch.nn.Module has "
-            f"requires_grad=False, and only parameters with requires_grad=True are differentiated (activity "
-            f"never changes the flag). To differentiate them, call model.requires_grad_(True) first; to use "
-            f"the model as data, mark it Constant(model)."
+            f"requires_grad=False; only parameters with requires_grad=True are differentiated. Call "
+            f"model.requires_grad_(True) to differentiate them, or mark it Constant(model)."
         )
     if modules:
         return f"is Active({type(modules[0]).__name__}), a torch.nn.Module without parameters. Mark it Constant(model)."

@@ -243,10 +243,16 @@ def _():
     return lambda: ad.gradient(lambda p: 1.0, Active(p), backend=FD), [p]
 
 
-@m("active-frozen-torch-module", TypeError, [r"argument 0\b.*is Active\(Linear\), but every parameter of that torch\.nn\.Module has requires_grad=False", r"only parameters with requires_grad=True are differentiated", r"call model\.requires_grad_\(True\) first", r"Constant\(model\)"])
+@m("active-frozen-torch-module", TypeError, [r"argument 0\b.*is Active\(Linear\), but every parameter of that torch\.nn\.Module has requires_grad=False", r"only parameters with requires_grad=True are differentiated", r"Call model\.requires_grad_\(True\) to differentiate them", r"Constant\(model\)"])
 def _():
     net, x = frozen_model(), tx()
     return lambda: ad.gradient(run_model, Active(net), Constant(x)), [net, x]
+
+
+@m("active-model-parameters-generator-torch", TypeError, [r"argument 0\b.*is Active\(model\.parameters\(\)\), a generator, which can be read only once", r"Pass the module itself, Active\(model\)"])
+def _():
+    net, x = model(), tx()
+    return lambda: ad.gradient(lambda ps, x: sum(p.sum() for p in ps), Active(net.parameters()), Constant(x)), [net, x]
 
 
 @m("active-string", TypeError, [r"argument 0\b.*Active but holds no floating-point value to differentiate \(a str\)", r"Constant\(\.\.\.\)"])
@@ -306,6 +312,12 @@ def _():
 def _():
     net, x = model(), tx()
     return lambda: ad.gradient(lambda n, x: (n(x).sum(), n(x).mean()), Active(net), Constant(x[None].repeat(2, 1))), [net, x]
+
+
+@m("forgotten-has-aux-jax", ValueError, [r"activity\.value_and_gradient needs f to return a scalar, but it returned a tuple of 2 \(a scalar, a dict\)", r"pass has_aux=True"])
+def _():
+    x = jx()
+    return lambda: ad.value_and_gradient(lambda a: (sq(a), {"a": a}), Active(x)), [x]
 
 
 @m("f-returns-none", TypeError, [r"activity\.gradient: f returned None, which holds no array", r"f must return an array, a float, or a pytree of arrays"])
@@ -379,6 +391,11 @@ def _():
 def _():
     x, t = tx(), torch.arange(3)
     return lambda: ad.pushforward(lambda a: a**2, Active(x), tangent=t), [x, t]
+
+
+@m("tangent-python-int-jax", ValueError, [r"activity\.pushforward: tangent is a Python int; tangents are floating point: write it as a float \(2\.0, or float\(x\)\)"])
+def _():
+    return lambda: ad.pushforward(lambda a: a**2, Active(1.5), tangent=2, backend=J), []
 
 
 @m("tangent-is-a-string-fd", ValueError, [r"activity\.hvp: tangent is a str; it must be a float array of shape \(3,\)"])
