@@ -37,9 +37,9 @@ def drop_jax_note(error: BaseException) -> None:
     if notes:
         kept = [note for note in notes if not (isinstance(note, str) and _JAX_FRAMES_NOTE in note)]
         if kept:
-            error.__notes__ = kept  # type: ignore[attr-defined]
+            error.__notes__ = kept
         else:
-            del error.__notes__  # type: ignore[attr-defined]
+            del error.__notes__
     cause = error.__cause__
     if cause is not None and type(cause).__name__ == "UnfilteredStackTrace" and type(cause).__module__.startswith("jax"):
         error.__cause__, error.__context__ = cause.__cause__, cause.__context__

@@ -195,7 +195,7 @@ def _describe(meta: tuple) -> str:
     return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
 
 
-def module_difference(expected: tuple, actual: tuple, module: Any = None, limit: int = 3) -> str:
+def module_difference(expected: tuple[Any, ...], actual: tuple[Any, ...], module: Any = None, limit: int = 3) -> str:
     """What differs between two torch module layouts (`describe_module`'s), by parameter and
     buffer name (the first ``limit`` differences); ``module``, the one of ``actual``, names
     its submodules when only their types differ."""
@@ -233,7 +233,7 @@ def module_difference(expected: tuple, actual: tuple, module: Any = None, limit:
     return "; ".join(changes[:limit]) + more
 
 
-def _tensor_kind(entry: tuple) -> str:
+def _tensor_kind(entry: tuple[Any, ...]) -> str:
     return "parameter" if len(entry) == 5 else "buffer"  # see `describe_module`'s layout
 
 
@@ -534,7 +534,7 @@ class Problem:
             add_note(error, f"{RAISED_BY_F}{self.op_name} with backend {self.backend!r})")
             raise
 
-    def output_leaves(self, out: Any, scalar: bool, has_aux: bool = False) -> tuple[tuple, Any]:
+    def output_leaves(self, out: Any, scalar: bool, has_aux: bool = False) -> tuple[tuple[Any, ...], Any]:
         """The array leaves of f's output ``out`` (a float becomes an array) and its structure, checked
         (``has_aux``: ``out`` is the output part of f's ``(output, aux)``)."""
         if arrays.is_array(out):  # the usual output, without a tree walk
@@ -544,7 +544,7 @@ class Problem:
         self._check_output(out, ys, scalar, has_aux)
         return tuple(map(self.backend.as_array, ys)), spec
 
-    def _check_output(self, out: Any, ys: list, scalar: bool, has_aux: bool = False) -> None:
+    def _check_output(self, out: Any, ys: list[Any], scalar: bool, has_aux: bool = False) -> None:
         if not ys:
             raise TypeError(
                 f"activity.{self.op_name}: f returned {out!r:.60}, which holds no array. "

@@ -344,11 +344,11 @@ def as_scenarios(scenarios: Any) -> list[Scenario]:
             f"scenarios must be a Scenario or a list of them (e.g. default_scenarios('jax')), got "
             f"{describe_type(scenarios)} {scenarios!r:.60}."
         )
-    scenarios = list(scenarios)
-    for scenario in scenarios:
+    found: list[Scenario] = list(scenarios)
+    for scenario in found:
         if not isinstance(scenario, Scenario):
             raise UsageError(f"scenarios holds {describe_type(scenario)}, not a Scenario: {scenario!r:.80}.")
-    return scenarios
+    return found
 
 
 def test_differentiation(
