@@ -192,7 +192,7 @@ def _describe(meta: tuple) -> str:
     where = f" on {device}" if device else ""
     if _any_device(meta):
         where = " (prepared from a meta-device placeholder: any device)"
-    return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
+    return f"a {'torch tensor' if framework == 'torch' else framework + ' array'} of shape {shape} and dtype {dtype}{where}"
 
 
 def module_difference(expected: tuple[Any, ...], actual: tuple[Any, ...], module: Any = None, limit: int = 3) -> str:

@@ -371,7 +371,7 @@ MISMATCHES = [
     pytest.param(lambda: ({"w": jnp.ones((2, 2)), "b": jnp.ones(2, jnp.float16)}, jnp.ones(2)),
                  r"argument 0\b.* at \['b'\]: .*dtype float32, got .*dtype float16", id="dtype"),
     pytest.param(lambda: (_p(), torch.ones(2)),
-                 r"argument 1\b.*expected a jax array.*got a torch array", id="framework"),
+                 r"argument 1\b.*expected a jax array.*got a torch tensor", id="framework"),
     pytest.param(lambda: ({**_p(), "c": jnp.ones(2)}, jnp.ones(2)),
                  r"argument 0\b.*pytree structure changed: expected PyTreeSpec\(\{'b': \*, 'w': \*\}\), got PyTreeSpec\(\{'b': \*, 'c': \*, 'w': \*\}\)",
                  id="structure"),

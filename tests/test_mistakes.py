@@ -558,12 +558,12 @@ _register_prepared(
 )
 _register_prepared(
     "prepared-wrong-shape-torch",
-    [r"argument 0\b.* at \['b'\]: expected a torch array of shape \(2,\) and dtype torch\.float32 on cpu, got a torch array of shape \(3,\)"],
+    [r"argument 0\b.* at \['b'\]: expected a torch tensor of shape \(2,\) and dtype torch\.float32 on cpu, got a torch tensor of shape \(3,\)"],
     lambda p, x: {"w": p["w"], "b": torch.zeros(3)}, lambda p, x: x,
 )
 _register_prepared(
     "prepared-wrong-dtype-torch",
-    [r"argument 1\b.*expected a torch array of shape \(3,\) and dtype torch\.float32 on cpu, got .*dtype torch\.float64"],
+    [r"argument 1\b.*expected a torch tensor of shape \(3,\) and dtype torch\.float32 on cpu, got .*dtype torch\.float64"],
     lambda p, x: p, lambda p, x: x.double(),
 )
 _register_prepared(
@@ -578,7 +578,7 @@ _register_prepared(
 )
 _register_prepared(
     "prepared-wrong-framework-torch",
-    [r"argument 1\b.*expected a torch array.*got a numpy array"],
+    [r"argument 1\b.*expected a torch tensor.*got a numpy array"],
     lambda p, x: p, lambda p, x: np.ones(3, np.float32),
 )
 
@@ -604,7 +604,7 @@ def _():
     return lambda: prep(x, tangent=t2), [x, t, t2]
 
 
-@m("prepared-torch-given-a-string", ad.PreparationMismatchError, [r"argument 0\b.*expected a torch array of shape \(3,\).*got the value 'abc'", r"Prepare again"])
+@m("prepared-torch-given-a-string", ad.PreparationMismatchError, [r"argument 0\b.*expected a torch tensor of shape \(3,\).*got the value 'abc'", r"Prepare again"])
 def _():
     x = tx()
     prep = ad.prepare(ad.gradient, sq, Active(x))

@@ -159,7 +159,7 @@ class Manifest:
         if not isinstance(entries, Mapping):
             raise UsageError(
                 f"{which}= must be a mapping from (backend, scenario), a backend name or a scenario name to a "
-                f"reason, e.g. {{('AutoTorch', 'gradient-lstm'): 'issue #12'}}; got {type(entries).__name__}."
+                f"reason, e.g. {{('AutoTorch', 'gradient-lstm'): 'issue #12'}}; got {describe_type(entries)}."
             )
         for key, reason in entries.items():
             pair = isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)
