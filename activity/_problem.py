@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections.abc
 import sys
-import types
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -62,8 +61,6 @@ def describe_type(value: Any) -> str:
         cls = type(value)
         builtin = cls.__module__.startswith("torch.nn.")  # a layer users know by its torch.nn name
         return f"a torch.nn.{cls.__name__}" if builtin else f"a torch.nn.Module ({cls.__name__})"
-    if isinstance(value, types.GeneratorType):
-        return "a generator"
     return a(type(value).__name__)
 
 
