@@ -398,6 +398,15 @@ class _Signature:
         except Exception as error:
             raise self.mixed.noted(error)
 
+    def run_value(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> Any:
+        """``g`` for its value only: torch records no graph (the derivatives run g again)."""
+        if self.mixed.inner != "torch":
+            return self.run(diff, data, cache)
+        import torch
+
+        with torch.no_grad():
+            return self.run(diff, data, cache)
+
     def split(self, outputs: Any) -> tuple[list, list]:
         out, aux = outputs if self.mixed.has_aux else (outputs, None)
         out_leaves, spec = flatten(out)

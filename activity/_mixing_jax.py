@@ -234,7 +234,7 @@ def _primal(signature: _Signature) -> _Function:
         floating = signature.out_float + (False,) * len(signature.aux_avals)
 
         def run(diff: tuple, data: tuple, cache: tuple) -> list:
-            out_leaves, aux_leaves = signature.split(signature.run(diff, data, cache))
+            out_leaves, aux_leaves = signature.split(signature.run_value(diff, data, cache))
             return [*out_leaves, *aux_leaves]
 
         assert signature.node is not None
