@@ -23,9 +23,6 @@ def call(mixed: _Mixed, parsed: _Parsed) -> Any:
 
     signature = mixed.signature(parsed, lambda: _Signature(mixed, parsed))
     diff, data, cache = tuple(parsed.diff), tuple(parsed.data), tuple(parsed.cache)
-    if signature.node is None:  # torch runs eagerly: the first call learns g's layout
-        outputs = signature.run(*_inner_groups(mixed, diff, data, cache))
-        signature.learn(outputs)
     function = _primal(signature)
     leaves = function(diff, data, cache)
     n_out = len(signature.out_avals)
@@ -86,7 +83,8 @@ class _TorchFunction:
         device = next((leaf.device for leaf in leaves), None)
         a, b, _ = sizes
         groups = _inner_groups(self.mixed, tuple(leaves[:a]), tuple(leaves[a:a + b]), tuple(leaves[a + b:]))
-        return tuple(_to_torch(leaf, *aval, device) for leaf, aval in zip(self.run(*groups), self.avals))
+        results = self.run(*groups)
+        return tuple(_to_torch(leaf, *aval, device) for leaf, aval in zip(results, self.avals))
 
     def derivative(self, how: str, diff: tuple) -> "_TorchFunction":
         node = self.node.derived(how, tuple((tuple(d.shape), str(d.dtype).removeprefix("torch.")) for d in diff))
@@ -200,18 +198,40 @@ def _transformed(leaf: Any) -> bool:
     return bool(check(leaf)) if check is not None else True
 
 
+class _PrimalFunction(_TorchFunction):
+    """g itself: its output layout is learnt by the first call's ``forward`` (which sees
+    plain tensors even under torch.func transforms)."""
+
+    def __init__(self, signature: _Signature):
+        self.mixed = signature.mixed
+        self.signature = signature
+
+    def run(self, diff: tuple, data: tuple, cache: tuple) -> list:  # type: ignore[override]
+        signature = self.signature
+        outputs = signature.run(diff, data, cache)
+        if signature.node is None:
+            signature.learn(outputs)
+        out_leaves, aux_leaves = signature.split(outputs)
+        return [*out_leaves, *aux_leaves]
+
+    @property  # type: ignore[override]
+    def avals(self) -> tuple:
+        return self.signature.out_avals + self.signature.aux_avals
+
+    @property  # type: ignore[override]
+    def floating(self) -> tuple[bool, ...]:
+        return self.signature.out_float + (False,) * len(self.signature.aux_avals)
+
+    @property  # type: ignore[override]
+    def node(self) -> _Node:
+        assert self.signature.node is not None
+        return self.signature.node
+
+
 def _primal(signature: _Signature) -> _TorchFunction:
     function = getattr(signature, "torch_function", None)
     if function is None:
-        avals = signature.out_avals + signature.aux_avals
-        floating = signature.out_float + (False,) * len(signature.aux_avals)
-
-        def run(diff: tuple, data: tuple, cache: tuple) -> list:
-            out_leaves, aux_leaves = signature.split(signature.run(diff, data, cache))
-            return [*out_leaves, *aux_leaves]
-
-        assert signature.node is not None
-        function = _TorchFunction(signature.mixed, run, signature.node, avals, floating)
+        function = _PrimalFunction(signature)
         signature.torch_function = function  # type: ignore[attr-defined]
     return function
 
