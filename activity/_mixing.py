@@ -65,7 +65,7 @@ class _Node:
         self.how: str | None = None  # for a derivative: "push" or "pull" of `parent`,
         self.parent: _Node | None = None  # whose first `n_base` diff leaves are the point
         self.n_base = 0
-        self._prepared: OrderedDict[tuple, Any] = OrderedDict()
+        self._prepared: OrderedDict[tuple, tuple[Any, tuple[int, ...]]] = OrderedDict()
         self._derived: dict[str, _Node] = {}
         self._lock = threading.Lock()
 
@@ -110,35 +110,43 @@ class _Node:
     def call(self, op_name: str, diff: tuple, data: tuple, cache: tuple, **seed: Any) -> Any:
         """``op(fn, Active(diff), Constant(data), Cache(cache), **seed)`` on the inner backend,
         prepared once per signature of leaves (and tangent batch size)."""
-        seed_name, seed_value = next(iter(seed.items()))
+        ((seed_name, seed_value),) = seed.items()
         key = (
             op_name,
             seed_name,
-            len(seed_value) if seed_name.endswith("s") else None,
-            tuple(_leaf_meta(leaf) for leaf in (*diff, *data, *cache)),
+            len(seed_value) if seed_name[-1] == "s" else None,
+            tuple([(leaf.shape, leaf.dtype) for leaf in diff]),
+            tuple([(leaf.shape, leaf.dtype) for leaf in data]),
+            tuple([(leaf.shape, leaf.dtype) for leaf in cache]),
         )
+        found = self._prepared.get(key)  # read without the lock: a dict lookup is atomic
+        if found is None:
+            found = self._prepare(key, op_name, diff, data, cache, seed)
+        prepared, present = found
+        groups = (diff, data, cache)
+        return prepared(*(groups[index] for index in present), **seed)
+
+    def _prepare(self, key: tuple, op_name: str, diff: tuple, data: tuple, cache: tuple,
+                 seed: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+        import activity
+
+        groups = (diff, data, cache)
+        present = tuple(index for index, group in enumerate(groups) if group)
+
+        def grouped(*values: tuple) -> tuple:
+            given: list[tuple] = [(), (), ()]
+            for index, value in zip(present, values):
+                given[index] = value
+            return self.fn(*given)
+
+        op = getattr(activity, op_name)
+        annotated = [_WRAPPERS[_KINDS[index]](groups[index]) for index in present]
+        prepared = activity.prepare(op, grouped, *annotated, backend=self.owner.backend, **seed)
         with self._lock:
-            prepared = self._prepared.get(key)
-            if prepared is not None:
-                self._prepared.move_to_end(key)
-        groups = {"active": diff, "constant": data, "cache": cache}
-        present = [kind for kind in _KINDS if groups[kind]]
-        if prepared is None:
-            import activity
-
-            def grouped(*values: tuple) -> tuple:
-                given = dict(zip(present, values))
-                return self.fn(given.get("active", ()), given.get("constant", ()), given.get("cache", ()))
-
-            op = getattr(activity, op_name)
-            annotated = [_WRAPPERS[kind](groups[kind]) for kind in present]
-            prepared = activity.prepare(op, grouped, *annotated, backend=self.owner.backend, **seed)
-            with self._lock:
-                self._prepared[key] = prepared
-                while len(self._prepared) > MAX_SIGNATURES:
-                    self._prepared.popitem(last=False)
-        return prepared(*(groups[kind] for kind in present), **seed)
-
+            self._prepared[key] = (prepared, present)
+            while len(self._prepared) > MAX_SIGNATURES:
+                self._prepared.popitem(last=False)  # the oldest prepared first
+        return prepared, present
 
 def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
@@ -194,9 +202,9 @@ def _torch() -> Any:
 
 def _to_numpy(leaf: Any, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """An inner result as a numpy array of the shape and dtype announced to JAX."""
-    if arrays.is_torch(leaf):
+    if not isinstance(leaf, np.ndarray) and arrays.is_torch(leaf):
         leaf = leaf.detach().cpu().numpy()
-    out = np.asarray(leaf, dtype=dtype)
+    out = leaf if isinstance(leaf, np.ndarray) and leaf.dtype == dtype else np.asarray(leaf, dtype=dtype)
     if out.shape != shape:
         out = np.broadcast_to(out, shape)
     return out
@@ -281,6 +289,16 @@ class _Parsed:
                 roles.append(role)
                 getattr(self, role).append(leaf)
             self.roles.append(roles)
+        # where each argument's leaves come from: (group, index) with groups diff, data, cache, static
+        counters = dict.fromkeys(("diff", "data", "cache", "static"), 0)
+        group_of = {"diff": 0, "data": 1, "cache": 2, "static": 3}
+        self._places: list[tuple[str | int, Any, list[tuple[int, int]]]] = []
+        for (name, _, _), spec, roles in zip(entries, self.specs, self.roles):
+            places = []
+            for role in roles:
+                places.append((group_of[role], counters[role]))
+                counters[role] += 1
+            self._places.append((name, None if spec.num_nodes == 1 and len(roles) == 1 else spec, places))
 
     def key(self) -> tuple:
         statics = tuple(_static_key(leaf) for leaf in self.static)
@@ -294,11 +312,15 @@ class _Parsed:
 
     def rebuild(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> tuple[list, dict]:
         """g's positional and keyword arguments from new leaves (statics as given)."""
-        sources = {"diff": iter(diff), "data": iter(data), "cache": iter(cache), "static": iter(self.static)}
+        groups = (diff, data, cache, self.static)
         positional: list[Any] = []
         keywords: dict[str, Any] = {}
-        for (name, _, _), spec, roles in zip(self.entries, self.specs, self.roles):
-            value = unflatten(spec, [next(sources[role]) for role in roles])
+        for name, spec, places in self._places:
+            if spec is None:  # the argument is one leaf
+                group, index = places[0]
+                value = groups[group][index]
+            else:
+                value = unflatten(spec, [groups[group][index] for group, index in places])
             if isinstance(name, int):
                 positional.append(value)
             else:
@@ -386,7 +408,6 @@ class _Signature:
         self.out_avals = tuple(_aval(leaf) for leaf in out_leaves)
         self.aux_avals = tuple(_aval(leaf) for leaf in aux_leaves)
         self.out_float = tuple(np.dtype(dtype).kind == "f" for _, dtype in self.out_avals)
-        parsed = self.parsed
         float_avals = tuple(a for a, f in zip(self.out_avals, self.out_float) if f)
         self.node = _Node(self._differentiable, float_avals, 0, self.mixed, "g")
 
@@ -408,9 +429,15 @@ class _Signature:
             return self.run(diff, data, cache)
 
     def split(self, outputs: Any) -> tuple[list, list]:
-        out, aux = outputs if self.mixed.has_aux else (outputs, None)
-        out_leaves, spec = flatten(out)
-        aux_leaves, aux_spec = flatten(aux)
+        if not self.mixed.has_aux:
+            out_leaves, spec = flatten(outputs)
+            if spec == self.out_spec:
+                return out_leaves, []
+            aux_leaves, aux_spec = [], self.aux_spec
+        else:
+            out, aux = outputs
+            out_leaves, spec = flatten(out)
+            aux_leaves, aux_spec = flatten(aux)
         if spec != self.out_spec or aux_spec != self.aux_spec:
             raise ValueError(
                 f"{self.mixed!r}: g's output changed structure between calls with the same argument "

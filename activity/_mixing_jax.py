@@ -205,9 +205,22 @@ def _avals_of(leaves: tuple) -> tuple:
 
 
 def _regroup(flat: Sequence[Any], sizes: tuple[int, int, int], framework: str) -> tuple[tuple, tuple, tuple]:
-    inner = [_to_inner(leaf, framework) for leaf in flat]
     a, b, _ = sizes
+    if framework == "torch":  # the floating leaves, the hot path: straight through DLPack
+        import torch
+
+        inner = [torch.from_dlpack(leaf) if isinstance(leaf, _jax_array()) else _to_inner(leaf, framework)
+                 for leaf in flat[:a]]
+        inner += [_to_inner(leaf, framework) for leaf in flat[a:]]
+    else:
+        inner = [_to_inner(leaf, framework) for leaf in flat]
     return tuple(inner[:a]), tuple(inner[a:a + b]), tuple(inner[a + b:])
+
+
+def _jax_array() -> type:
+    import jax
+
+    return jax.Array
 
 
 def _reraising(run: Callable[[], Any]) -> Any:
