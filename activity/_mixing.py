@@ -51,7 +51,7 @@ class _Node:
 
     def __init__(
         self,
-        fn: Callable[[tuple, tuple, tuple], tuple],
+        fn: Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]],
         out_avals: tuple[tuple[tuple[int, ...], str], ...],
         order: int,
         owner: "_Mixed",
@@ -65,11 +65,11 @@ class _Node:
         self.how: str | None = None  # for a derivative: "push" or "pull" of `parent`,
         self.parent: _Node | None = None  # whose first `n_base` diff leaves are the point
         self.n_base = 0
-        self._prepared: OrderedDict[tuple, tuple[Any, tuple[int, ...]]] = OrderedDict()
+        self._prepared: OrderedDict[tuple[Any, ...], tuple[Any, tuple[int, ...]]] = OrderedDict()
         self._derived: dict[str, _Node] = {}
         self._lock = threading.Lock()
 
-    def derived(self, how: str, diff_avals: tuple) -> "_Node":
+    def derived(self, how: str, diff_avals: tuple[Any, ...]) -> "_Node":
         """The pushforward (``how="push"``) or pullback (``"pull"``) of this node, as a node."""
         with self._lock:
             node = self._derived.get(how)
@@ -93,13 +93,13 @@ class _Node:
         n_diff = len(diff_avals)
         if how == "push":
 
-            def fn(diff: tuple, data: tuple, cache: tuple) -> tuple:
+            def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
                 return tuple(self.call("pushforward", diff[:n_diff], data, cache, tangent=tuple(diff[n_diff:])))
 
             node = _Node(fn, self.out_avals, order, self.owner, f"pushforward of the {self.label}")
         else:
 
-            def fn(diff: tuple, data: tuple, cache: tuple) -> tuple:
+            def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
                 return tuple(self.call("pullback", diff[:n_diff], data, cache, cotangent=tuple(diff[n_diff:])))
 
             node = _Node(fn, diff_avals, order, self.owner, f"pullback of the {self.label}")
@@ -107,7 +107,7 @@ class _Node:
         with self._lock:
             return self._derived.setdefault(how, node)
 
-    def call(self, op_name: str, diff: tuple, data: tuple, cache: tuple, **seed: Any) -> Any:
+    def call(self, op_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...], **seed: Any) -> Any:
         """``op(fn, Active(diff), Constant(data), Cache(cache), **seed)`` on the inner backend,
         prepared once per signature of leaves (and tangent batch size)."""
         ((seed_name, seed_value),) = seed.items()
@@ -126,15 +126,15 @@ class _Node:
         groups = (diff, data, cache)
         return prepared(*(groups[index] for index in present), **seed)
 
-    def _prepare(self, key: tuple, op_name: str, diff: tuple, data: tuple, cache: tuple,
+    def _prepare(self, key: tuple[Any, ...], op_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...],
                  seed: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
         import activity
 
         groups = (diff, data, cache)
         present = tuple(index for index, group in enumerate(groups) if group)
 
-        def grouped(*values: tuple) -> tuple:
-            given: list[tuple] = [(), (), ()]
+        def grouped(*values: tuple[Any, ...]) -> tuple[Any, ...]:
+            given: list[tuple[Any, ...]] = [(), (), ()]
             for index, value in zip(present, values):
                 given[index] = value
             return self.fn(*given)
@@ -152,7 +152,7 @@ def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
 
 
-def _leaf_meta(leaf: Any) -> tuple:
+def _leaf_meta(leaf: Any) -> tuple[Any, ...]:
     return (type(leaf).__name__, tuple(arrays.shape(leaf)), str(getattr(leaf, "dtype", type(leaf))))
 
 
@@ -176,7 +176,7 @@ def _to_inner(leaf: Any, framework: str) -> Any:
         if arrays.is_torch(leaf):
             return leaf.detach()
         if arrays.is_jax(leaf) and leaf.dtype != np.dtype(bool):
-            return torch.from_dlpack(leaf)
+            return torch.utils.dlpack.from_dlpack(leaf)
         return torch.from_numpy(np.array(leaf))  # bool and numpy: one copy
     if framework == "jax":
         import jax
@@ -222,7 +222,7 @@ class _Mixed:
         self.has_aux = has_aux
         self.name = getattr(g, "__name__", None) or type(g).__name__
         self.inner = _framework_of(backend)
-        self._signatures: OrderedDict[tuple, _Signature] = OrderedDict()
+        self._signatures: OrderedDict[tuple[Any, ...], _Signature] = OrderedDict()
         self._lock = threading.Lock()
         self.__doc__ = getattr(g, "__doc__", None)
         self.__wrapped__ = g
@@ -300,7 +300,7 @@ class _Parsed:
                 counters[role] += 1
             self._places.append((name, None if spec.num_nodes == 1 and len(roles) == 1 else spec, places))
 
-    def key(self) -> tuple:
+    def key(self) -> tuple[Any, ...]:
         statics = tuple(_static_key(leaf) for leaf in self.static)
         return (
             tuple((name, kind) for name, kind, _ in self.entries),
@@ -310,7 +310,7 @@ class _Parsed:
             statics,
         )
 
-    def rebuild(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> tuple[list, dict]:
+    def rebuild(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
         """g's positional and keyword arguments from new leaves (statics as given)."""
         groups = (diff, data, cache, self.static)
         positional: list[Any] = []
@@ -344,9 +344,10 @@ def _static_key(leaf: Any) -> Any:
     return (type(leaf), leaf) if isinstance(leaf, (int, float, str, bool, type(None))) else ("id", id(leaf))
 
 
-def _parse(args: tuple, kwargs: dict, name: str) -> _Parsed:
+def _parse(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> _Parsed:
     entries: list[tuple[str | int, str, Any]] = []
-    for where, value in [*enumerate(args), *kwargs.items()]:
+    located: list[tuple[str | int, Any]] = [*enumerate(args), *kwargs.items()]
+    for where, value in located:
         if isinstance(value, Annotation):
             kind = type(value).__name__.lower()
             entries.append((where, kind, value.value))
@@ -389,8 +390,8 @@ class _Signature:
         self.parsed = parsed
         self.out_spec: Any = None
         self.aux_spec: Any = None
-        self.out_avals: tuple = ()
-        self.aux_avals: tuple = ()
+        self.out_avals: tuple[Any, ...] = ()
+        self.aux_avals: tuple[Any, ...] = ()
         self.out_float: tuple[bool, ...] = ()
         self.node: _Node | None = None
 
@@ -428,12 +429,13 @@ class _Signature:
         with torch.no_grad():
             return self.run(diff, data, cache)
 
-    def split(self, outputs: Any) -> tuple[list, list]:
+    def split(self, outputs: Any) -> tuple[list[Any], list[Any]]:
         if not self.mixed.has_aux:
             out_leaves, spec = flatten(outputs)
             if spec == self.out_spec:
                 return out_leaves, []
-            aux_leaves, aux_spec = [], self.aux_spec
+            aux_leaves: list[Any] = []
+            aux_spec = self.aux_spec
         else:
             out, aux = outputs
             out_leaves, spec = flatten(out)
@@ -445,7 +447,7 @@ class _Signature:
             )
         return out_leaves, aux_leaves
 
-    def _differentiable(self, diff: tuple, data: tuple, cache: tuple) -> tuple:
+    def _differentiable(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
         out_leaves, _ = self.split(self.run(diff, data, cache))
         return tuple(leaf for leaf, floating in zip(out_leaves, self.out_float) if floating)
 

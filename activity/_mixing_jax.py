@@ -32,16 +32,16 @@ def call(mixed: _Mixed, parsed: _Parsed) -> Any:
         if signature.node is None:
             signature.learn(outputs)
         out_leaves, aux_leaves = signature.split(outputs)
-        leaves = [jax.numpy.asarray(_to_numpy(leaf, *aval)) for leaf, aval in
+        arrays = [jax.numpy.asarray(_to_numpy(leaf, *aval)) for leaf, aval in
                   zip((*out_leaves, *aux_leaves), _jax_avals(signature.out_avals + signature.aux_avals))]
-        return _assemble(signature, leaves)
+        return _assemble(signature, arrays)
     if signature.node is None:
         _probe(signature, diff, data, cache)
     leaves = _primal(signature)(diff, data, cache)
     return _assemble(signature, list(leaves))
 
 
-def _assemble(signature: _Signature, leaves: list) -> Any:
+def _assemble(signature: _Signature, leaves: list[Any]) -> Any:
     from ._tree import unflatten
 
     n_out = len(signature.out_avals)
@@ -51,7 +51,7 @@ def _assemble(signature: _Signature, leaves: list) -> Any:
     return out, unflatten(signature.aux_spec, leaves[n_out:])
 
 
-def _probe(signature: _Signature, diff: tuple, data: tuple, cache: tuple) -> None:
+def _probe(signature: _Signature, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> None:
     """Learn g's output layout while JAX traces (no values yet): g runs once on zeros."""
     mixed = signature.mixed
     zeros = [
@@ -97,7 +97,7 @@ class _Function:
     ones (``floating`` marks them among the outputs).
     """
 
-    def __init__(self, mixed: _Mixed, run: Callable[[tuple, tuple, tuple], list], node: _Node,
+    def __init__(self, mixed: _Mixed, run: Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], list[Any]], node: _Node,
                  avals: list[tuple[tuple[int, ...], str]], floating: Sequence[bool]):
         self.mixed = mixed
         self.run = run
@@ -107,23 +107,22 @@ class _Function:
         self._vjp: Any = None
         self._jvp: Any = None
 
-    def __call__(self, diff: tuple, data: tuple, cache: tuple) -> tuple:
-        if _forward_mode(diff):
-            return self._jvp_version()(diff, data, cache)
-        return self._vjp_version()(diff, data, cache)
+    def __call__(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
+        version = self._jvp_version() if _forward_mode(diff) else self._vjp_version()
+        return tuple(version(diff, data, cache))
 
-    def _callback(self, diff: tuple, data: tuple, cache: tuple,
-                  batched: Callable[..., list] | None) -> tuple:
+    def _callback(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...],
+                  batched: Callable[..., list[Any]] | None) -> tuple[Any, ...]:
         import jax
 
-        shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.avals]
+        shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in self.avals]  # type: ignore[no-untyped-call]
         sizes = (len(diff), len(data), len(cache))
         base = [tuple(np.shape(leaf)) for leaf in (*diff, *data, *cache)]
         mixed = self.mixed
 
-        def host(*flat: Any) -> list:
+        def host(*flat: Any) -> list[Any]:
             try:
-                if batched is not None and any(np.ndim(x) > len(b) for x, b in zip(flat, base)):
+                if batched is not None and any(x.ndim > len(b) for x, b in zip(flat, base)):
                     return batched(flat, base, sizes)
                 groups = _regroup(flat, sizes, mixed.inner)
                 return [_to_numpy(leaf, *aval) for leaf, aval in zip(self.run(*groups), self.avals)]
@@ -143,13 +142,13 @@ class _Function:
         import jax
 
         @jax.custom_vjp
-        def function(diff: tuple, data: tuple, cache: tuple) -> tuple:
+        def function(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
             return self._callback(diff, data, cache, self._batched_run())
 
-        def forward(diff: tuple, data: tuple, cache: tuple) -> tuple:
+        def forward(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
             return self(diff, data, cache), (diff, data, cache)
 
-        def backward(residuals: tuple, cotangents: tuple) -> tuple:
+        def backward(residuals: tuple[Any, ...], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
             diff, data, cache = residuals
             pulled = self.node.derived("pull", _avals_of(diff))
             cts = tuple(ct for ct, floating in zip(cotangents, self.floating) if floating)
@@ -166,10 +165,10 @@ class _Function:
         import jax
 
         @jax.custom_jvp
-        def function(diff: tuple, data: tuple, cache: tuple) -> tuple:
+        def function(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
             return self._callback(diff, data, cache, self._batched_run())
 
-        def rule(primals: tuple, tangents: tuple) -> tuple:
+        def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, ...]:
             diff, data, cache = primals
             outputs = self(diff, data, cache)
             pushed = self.node.derived("push", _avals_of(diff))
@@ -183,7 +182,7 @@ class _Function:
         self._jvp = function
         return function
 
-    def _batched_run(self) -> Callable[..., list] | None:
+    def _batched_run(self) -> Callable[..., list[Any]] | None:
         """How a derivative node runs on a batch (under ``jax.vmap``): one call with
         ``tangents=[...]`` / ``cotangents=[...]`` when only the seeds are batched."""
         if self.node.how is None:
@@ -200,16 +199,16 @@ def _zero_tangent(y: Any) -> Any:
     return np.zeros(y.shape, jax.dtypes.float0)
 
 
-def _avals_of(leaves: tuple) -> tuple:
+def _avals_of(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves)
 
 
-def _regroup(flat: Sequence[Any], sizes: tuple[int, int, int], framework: str) -> tuple[tuple, tuple, tuple]:
+def _regroup(flat: Sequence[Any], sizes: tuple[int, int, int], framework: str) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
     a, b, _ = sizes
     if framework == "torch":  # the floating leaves, the hot path: straight through DLPack
         import torch
 
-        inner = [torch.from_dlpack(leaf) if isinstance(leaf, _jax_array()) else _to_inner(leaf, framework)
+        inner = [torch.utils.dlpack.from_dlpack(leaf) if isinstance(leaf, _jax_array()) else _to_inner(leaf, framework)
                  for leaf in flat[:a]]
         inner += [_to_inner(leaf, framework) for leaf in flat[a:]]
     else:
@@ -246,7 +245,7 @@ def _primal(signature: _Signature) -> _Function:
         avals = _jax_avals(signature.out_avals + signature.aux_avals)
         floating = signature.out_float + (False,) * len(signature.aux_avals)
 
-        def run(diff: tuple, data: tuple, cache: tuple) -> list:
+        def run(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> list[Any]:
             out_leaves, aux_leaves = signature.split(signature.run_value(diff, data, cache))
             return [*out_leaves, *aux_leaves]
 
@@ -265,7 +264,7 @@ def _node_function(mixed: _Mixed, node: _Node) -> _Function:
     return function
 
 
-def _run_batch(function: _Function, flat: Sequence[Any], base: list, sizes: tuple[int, int, int]) -> list:
+def _run_batch(function: _Function, flat: Sequence[Any], base: list[Any], sizes: tuple[int, int, int]) -> list[Any]:
     """A derivative node on batched leaves (``vmap_method="expand_dims"`` gives unbatched
     leaves a leading 1): one inner call with a list of seeds when only the seeds vary,
     else one call per batch element."""
@@ -276,11 +275,11 @@ def _run_batch(function: _Function, flat: Sequence[Any], base: list, sizes: tupl
     common = tuple(np.broadcast_shapes(*leads))
     n = int(np.prod(common))
     inner = function.mixed.inner
-    n_base = node.n_base  # type: ignore[attr-defined]
+    n_base = node.n_base
     seed_slots = range(n_base, sizes[0])
     only_seeds = all(int(np.prod(lead)) == 1 for i, lead in enumerate(leads) if i not in seed_slots)
 
-    def element(x: Any, b: tuple, lead: tuple, i: int) -> Any:
+    def element(x: Any, b: tuple[Any, ...], lead: tuple[Any, ...], i: int) -> Any:
         x = np.broadcast_to(np.asarray(x).reshape((1,) * (width + len(b) - np.ndim(x)) + np.shape(x)), common + b)
         return x.reshape((n, *b))[i]
 
@@ -291,7 +290,8 @@ def _run_batch(function: _Function, flat: Sequence[Any], base: list, sizes: tupl
         seeds = [tuple(_to_inner(element(flat[k], base[k], leads[k], i), inner) for k in seed_slots)
                  for i in range(n)]
         op, keyword = ("pushforward", "tangents") if node.how == "push" else ("pullback", "cotangents")
-        results = node.parent.call(op, diff[:n_base], data, cache, **{keyword: seeds})  # type: ignore[attr-defined]
+        assert node.parent is not None
+        results = node.parent.call(op, diff[:n_base], data, cache, **{keyword: seeds})
         per_element = [[_to_numpy(leaf, *aval) for leaf, aval in zip(result, function.avals)] for result in results]
     else:
         per_element = []

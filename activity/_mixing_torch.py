@@ -32,7 +32,7 @@ def call(mixed: _Mixed, parsed: _Parsed) -> Any:
     return out, unflatten(signature.aux_spec, list(leaves[n_out:]))
 
 
-def _inner_groups(mixed: _Mixed, diff: tuple, data: tuple, cache: tuple) -> tuple[tuple, tuple, tuple]:
+def _inner_groups(mixed: _Mixed, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
     return (
         tuple(_to_inner(leaf, mixed.inner) for leaf in diff),
         tuple(_to_inner(leaf, mixed.inner) for leaf in data),
@@ -45,7 +45,7 @@ def _to_torch(leaf: Any, shape: tuple[int, ...], dtype: str, device: Any) -> Any
     import torch
 
     if arrays_is_jax(leaf):
-        tensor = torch.from_dlpack(leaf)
+        tensor = torch.utils.dlpack.from_dlpack(leaf)
     elif isinstance(leaf, torch.Tensor):
         tensor = leaf.detach()
     else:
@@ -68,7 +68,7 @@ class _TorchFunction:
     derivatives of the floating ones (``floating`` marks them among the outputs).
     """
 
-    def __init__(self, mixed: _Mixed, run: Callable[[tuple, tuple, tuple], list], node: _Node,
+    def __init__(self, mixed: _Mixed, run: Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], list[Any]], node: _Node,
                  avals: Sequence[tuple[tuple[int, ...], str]], floating: Sequence[bool]):
         self.mixed = mixed
         self.run = run
@@ -76,17 +76,17 @@ class _TorchFunction:
         self.avals = tuple(avals)
         self.floating = tuple(floating)
 
-    def __call__(self, diff: tuple, data: tuple, cache: tuple) -> tuple:
+    def __call__(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
         return tuple(_autograd_function().apply(self, (len(diff), len(data), len(cache)), *diff, *data, *cache))
 
-    def evaluate(self, leaves: Sequence[Any], sizes: tuple[int, int, int]) -> tuple:
+    def evaluate(self, leaves: Sequence[Any], sizes: tuple[int, int, int]) -> tuple[Any, ...]:
         device = next((leaf.device for leaf in leaves), None)
         a, b, _ = sizes
         groups = _inner_groups(self.mixed, tuple(leaves[:a]), tuple(leaves[a:a + b]), tuple(leaves[a + b:]))
         results = self.run(*groups)
         return tuple(_to_torch(leaf, *aval, device) for leaf, aval in zip(results, self.avals))
 
-    def derivative(self, how: str, diff: tuple) -> "_TorchFunction":
+    def derivative(self, how: str, diff: tuple[Any, ...]) -> "_TorchFunction":
         node = self.node.derived(how, tuple((tuple(d.shape), str(d.dtype).removeprefix("torch.")) for d in diff))
         return _node_function(self.mixed, node)
 
@@ -101,11 +101,11 @@ def _autograd_function() -> Any:
         """g of another framework inside torch autograd (see `activity.differentiate_with`)."""
 
         @staticmethod
-        def forward(function: _TorchFunction, sizes: tuple[int, int, int], *leaves: Any) -> tuple:  # type: ignore[override]
+        def forward(function: _TorchFunction, sizes: tuple[int, int, int], *leaves: Any) -> tuple[Any, ...]:
             return function.evaluate(leaves, sizes)
 
         @staticmethod
-        def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
             function, sizes, *leaves = inputs
             ctx.function, ctx.sizes = function, sizes
             ctx.save_for_backward(*leaves)
@@ -115,7 +115,7 @@ def _autograd_function() -> Any:
                 ctx.mark_non_differentiable(*fixed)
 
         @staticmethod
-        def backward(ctx: Any, *cotangents: Any) -> tuple:  # type: ignore[override]
+        def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
             function: _TorchFunction = ctx.function
             leaves = ctx.saved_tensors
             n_diff, n_data, n_cache = ctx.sizes
@@ -144,7 +144,7 @@ def _autograd_function() -> Any:
             return out
 
         @staticmethod
-        def vmap(info: Any, in_dims: tuple, function: _TorchFunction, sizes: tuple[int, int, int], *leaves: Any) -> Any:
+        def vmap(info: Any, in_dims: tuple[Any, ...], function: _TorchFunction, sizes: tuple[int, int, int], *leaves: Any) -> Any:
             return _vmap(info, in_dims[2:], function, sizes, leaves)
 
     _FUNCTION = DifferentiateWith
@@ -156,7 +156,7 @@ def _device(leaves: Sequence[Any]) -> Any:
 
 
 def _vmap(info: Any, in_dims: Sequence[int | None], function: _TorchFunction, sizes: tuple[int, int, int],
-          leaves: Sequence[Any]) -> tuple:
+          leaves: Sequence[Any]) -> tuple[Any, ...]:
     """``torch.func.vmap`` over the function: a derivative with only its seeds batched is one
     inner call with a list of seeds; anything else runs once per batch element."""
     import torch
@@ -189,6 +189,10 @@ def _vmap(info: Any, in_dims: Sequence[int | None], function: _TorchFunction, si
     return outputs, (0,) * len(outputs)
 
 
+_UNKNOWN = _Node(lambda diff, data, cache: (), (), 0, None, "g")  # type: ignore[arg-type]
+"""The node of a g whose output layout is not known yet."""
+
+
 def _transformed(leaf: Any) -> bool:
     """Whether a tensor is still wrapped by a torch.func transform outside this vmap (a jvp
     dual, an outer vmap's batch): its values are not readable from here."""
@@ -203,29 +207,28 @@ class _PrimalFunction(_TorchFunction):
     plain tensors even under torch.func transforms)."""
 
     def __init__(self, signature: _Signature):
-        self.mixed = signature.mixed
         self.signature = signature
+        learnt = signature.node is not None
+        super().__init__(signature.mixed, self._run, signature.node or _UNKNOWN, (), ())
+        if learnt:
+            self._adopt()
 
-    def run(self, diff: tuple, data: tuple, cache: tuple) -> list:  # type: ignore[override]
+    def _run(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> list[Any]:
         signature = self.signature
         outputs = signature.run(diff, data, cache)
         if signature.node is None:
             signature.learn(outputs)
+        if self.node is _UNKNOWN:
+            self._adopt()
         out_leaves, aux_leaves = signature.split(outputs)
         return [*out_leaves, *aux_leaves]
 
-    @property  # type: ignore[override]
-    def avals(self) -> tuple:
-        return self.signature.out_avals + self.signature.aux_avals
-
-    @property  # type: ignore[override]
-    def floating(self) -> tuple[bool, ...]:
-        return self.signature.out_float + (False,) * len(self.signature.aux_avals)
-
-    @property  # type: ignore[override]
-    def node(self) -> _Node:
-        assert self.signature.node is not None
-        return self.signature.node
+    def _adopt(self) -> None:
+        signature = self.signature
+        assert signature.node is not None
+        self.avals = signature.out_avals + signature.aux_avals
+        self.floating = signature.out_float + (False,) * len(signature.aux_avals)
+        self.node = signature.node
 
 
 def _primal(signature: _Signature) -> _TorchFunction:
