@@ -203,7 +203,10 @@ def _torch() -> Any:
 def _to_numpy(leaf: Any, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """An inner result as a numpy array of the shape and dtype announced to JAX."""
     if not isinstance(leaf, np.ndarray) and arrays.is_torch(leaf):
-        leaf = leaf.detach().cpu().numpy()
+        tensor = leaf.detach().cpu()
+        if tensor.dtype == _torch().bfloat16:  # numpy has no bfloat16 of torch's: through float32
+            tensor = tensor.float()
+        leaf = tensor.numpy()
     out = leaf if isinstance(leaf, np.ndarray) and leaf.dtype == dtype else np.asarray(leaf, dtype=dtype)
     if out.shape != shape:
         out = np.broadcast_to(out, shape)
@@ -408,7 +411,7 @@ class _Signature:
                 )
         self.out_avals = tuple(_aval(leaf) for leaf in out_leaves)
         self.aux_avals = tuple(_aval(leaf) for leaf in aux_leaves)
-        self.out_float = tuple(np.dtype(dtype).kind == "f" for _, dtype in self.out_avals)
+        self.out_float = tuple(_floating(dtype) for _, dtype in self.out_avals)
         float_avals = tuple(a for a, f in zip(self.out_avals, self.out_float) if f)
         self.node = _Node(self._differentiable, float_avals, 0, self.mixed, "g")
 
@@ -450,6 +453,12 @@ class _Signature:
     def _differentiable(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
         out_leaves, _ = self.split(self.run(diff, data, cache))
         return tuple(leaf for leaf, floating in zip(out_leaves, self.out_float) if floating)
+
+
+def _floating(dtype: str) -> bool:
+    """Whether a dtype (by name) is floating, the ml_dtypes ones (bfloat16, float8_*) included."""
+    kind = np.dtype(dtype).kind
+    return kind == "f" or (kind == "V" and arrays._is_ml_float(np.dtype(dtype)))
 
 
 def _aval(leaf: Any) -> tuple[tuple[int, ...], str]:

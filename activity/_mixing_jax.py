@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._mixing import _Mixed, _Node, _Parsed, _Signature, _to_inner, _to_numpy
+from ._mixing import _floating, _Mixed, _Node, _Parsed, _Signature, _to_inner, _to_numpy
 
 _errors = threading.local()  # the exception g raised inside a callback, re-raised in its place
 
@@ -53,11 +53,14 @@ def _assemble(signature: _Signature, leaves: list[Any]) -> Any:
 
 def _probe(signature: _Signature, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> None:
     """Learn g's output layout while JAX traces (no values yet): g runs once on zeros."""
+    import jax
+
     mixed = signature.mixed
-    zeros = [
-        tuple(_to_inner(np.zeros(leaf.shape, leaf.dtype), mixed.inner) for leaf in group)
-        for group in (diff, data, cache)
-    ]
+    with jax.ensure_compile_time_eval():  # concrete zeros, not values traced into the caller's program
+        zeros = [
+            tuple(_to_inner(jax.numpy.zeros(leaf.shape, leaf.dtype), mixed.inner) for leaf in group)
+            for group in (diff, data, cache)
+        ]
     signature.learn(signature.run(*zeros))
 
 
@@ -194,7 +197,7 @@ def _zero_tangent(y: Any) -> Any:
     """The tangent of an output that is not differentiated (aux, integer outputs)."""
     import jax
 
-    if np.dtype(y.dtype).kind in "fc":
+    if _floating(str(y.dtype)) or np.dtype(y.dtype).kind == "c":
         return jax.numpy.zeros_like(y)
     return np.zeros(y.shape, jax.dtypes.float0)
 
