@@ -232,6 +232,10 @@ def test_jax_function_under_torch_func_transforms(model):
     assert_tree_allclose(func.vmap(func.grad(h))(batch), func.vmap(func.grad(reference))(batch), rtol=RTOL, atol=ATOL)
     assert_tree_allclose(func.vmap(h)(batch), func.vmap(reference)(batch), rtol=RTOL, atol=ATOL)
     assert_tree_allclose(func.hessian(h)(x), func.hessian(reference)(x), rtol=1e-4, atol=1e-5)
+    vector = ad.differentiate_with(lambda v: jnp.tanh(jax_mlp(params_jax, v)), ad.AutoJAX())
+    vector_reference = lambda v: torch.tanh(torch_mlp_of(params, v))  # noqa: E731
+    assert_tree_allclose(func.jacrev(vector)(x), func.jacrev(vector_reference)(x), rtol=RTOL, atol=ATOL)
+    assert_tree_allclose(func.jacfwd(vector)(x), func.jacfwd(vector_reference)(x), rtol=RTOL, atol=ATOL)
     assert_tree_allclose(ad.gradient(lambda v: h(v) ** 2, Active(x), backend=TORCH),
                          func.grad(lambda v: reference(v) ** 2)(x), rtol=RTOL, atol=ATOL)
 
