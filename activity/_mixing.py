@@ -153,7 +153,9 @@ def _ordinal(n: int) -> str:
 
 
 def _leaf_meta(leaf: Any) -> tuple[Any, ...]:
-    return (type(leaf).__name__, tuple(arrays.shape(leaf)), str(getattr(leaf, "dtype", type(leaf))))
+    """Shape and dtype: the same for a concrete array and JAX's tracers of it, so a signature
+    is shared by eager calls and every transform."""
+    return tuple(arrays.shape(leaf)), str(getattr(leaf, "dtype", type(leaf)))
 
 
 def _framework_of(backend: Any) -> str:

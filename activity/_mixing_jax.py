@@ -27,8 +27,8 @@ def call(mixed: _Mixed, parsed: _Parsed) -> Any:
     diff, data, cache = tuple(parsed.diff), tuple(parsed.data), tuple(parsed.cache)
     traced = any(isinstance(leaf, jax.core.Tracer) for leaf in (*diff, *data, *cache))
     if not traced:  # no transform is watching: run g once, learn its layout on the way
-        inner = [tuple(_to_inner(leaf, mixed.inner) for leaf in group) for group in (diff, data, cache)]
-        outputs = signature.run(*inner)
+        inner = _regroup((*diff, *data, *cache), (len(diff), len(data), len(cache)), mixed.inner)
+        outputs = signature.run_value(*inner)
         if signature.node is None:
             signature.learn(outputs)
         out_leaves, aux_leaves = signature.split(outputs)
@@ -216,6 +216,8 @@ def _regroup(flat: Sequence[Any], sizes: tuple[int, int, int], framework: str) -
         inner += [_to_inner(leaf, framework) for leaf in flat[a:]]
     else:
         inner = [_to_inner(leaf, framework) for leaf in flat]
+    # g may write into a Cache: into a copy, never into a buffer JAX owns (and may share)
+    inner[a + b:] = [leaf.clone() if hasattr(leaf, "clone") else np.array(leaf) for leaf in inner[a + b:]]
     return tuple(inner[:a]), tuple(inner[a:a + b]), tuple(inner[a + b:])
 
 

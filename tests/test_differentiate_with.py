@@ -121,13 +121,17 @@ def test_constant_is_data_and_cache_is_scratch(xs):
     h = ad.differentiate_with(g, TORCH)
     x, scale = xs[0], xs[1]
 
+    scratch = jnp.zeros(3)
+
     def loss(x: jax.Array, scale: jax.Array) -> jax.Array:
-        return h(Active(x), Constant(scale), Cache(jnp.zeros(3)))
+        return h(Active(x), Constant(scale), Cache(scratch))
 
     grad_x, grad_scale = jax.grad(loss, argnums=(0, 1))(x, scale)
     assert_tree_allclose(grad_x, 2 * x * scale, rtol=RTOL, atol=ATOL)
     assert_tree_allclose(grad_scale, jnp.zeros(3), rtol=0, atol=0)  # a Constant: not differentiated
     assert not any(asked)  # g never saw a Constant that torch would differentiate
+    assert_tree_allclose(jax.jit(loss)(x, scale), jnp.sum(x * scale * x), rtol=RTOL, atol=ATOL)
+    assert not jnp.any(scratch)  # g wrote into copies, never into the buffer JAX owns
     assert_tree_allclose(jax.jvp(lambda v: loss(v, scale), (x,), (scale,))[1], jnp.sum(2 * x * scale**2),
                          rtol=RTOL, atol=ATOL)
 
@@ -327,10 +331,13 @@ def test_inner_operator_prepared_once_per_signature(model, xs, monkeypatch):
     original = ad.prepare
     monkeypatch.setattr(ad, "prepare", lambda *a, **k: prepared.append(a[0].__name__) or original(*a, **k))
     h = ad.differentiate_with(model, TORCH)
-    gradient = jax.jit(jax.grad(lambda x: jnp.sum(h(x) ** 2)))
+    loss = lambda x: jnp.sum(h(x) ** 2)  # noqa: E731
+    gradient = jax.jit(jax.grad(loss))
+    h(xs)
+    jax.grad(loss)(xs)
     for scale in (1.0, 2.0, 3.0):
         gradient(scale * xs)
-    assert prepared == ["pullback"]
+    assert prepared == ["pullback"]  # eager, jax.grad and jit share one signature
     gradient(xs[:2])  # a new shape: one more
     assert prepared == ["pullback", "pullback"]
 
