@@ -96,13 +96,13 @@ class _Node:
             def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
                 return tuple(self.call("pushforward", diff[:n_diff], data, cache, tangent=tuple(diff[n_diff:])))
 
-            node = _Node(fn, self.out_avals, order, self.owner, f"pushforward of the {self.label}")
+            node = _Node(fn, self.out_avals, order, self.owner, f"pushforward of {self.label}")
         else:
 
             def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
                 return tuple(self.call("pullback", diff[:n_diff], data, cache, cotangent=tuple(diff[n_diff:])))
 
-            node = _Node(fn, diff_avals, order, self.owner, f"pullback of the {self.label}")
+            node = _Node(fn, diff_avals, order, self.owner, f"pullback of {self.label}")
         node.how, node.parent, node.n_base = how, self, n_diff
         with self._lock:
             return self._derived.setdefault(how, node)

@@ -111,7 +111,7 @@ class _Function:
         self._jvp: Any = None
 
     def __call__(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
-        version = self._jvp_version() if _forward_mode(diff) else self._vjp_version()
+        version = self._jvp_version() if _forward_mode((*diff, *data, *cache)) else self._vjp_version()
         return tuple(version(diff, data, cache))
 
     def _callback(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...],
@@ -153,6 +153,8 @@ class _Function:
 
         def backward(residuals: tuple[Any, ...], cotangents: tuple[Any, ...]) -> tuple[Any, ...]:
             diff, data, cache = residuals
+            if not diff:  # only Constants and Caches: nothing is differentiated
+                return (), tuple(None for _ in data), tuple(None for _ in cache)
             pulled = self.node.derived("pull", _avals_of(diff))
             cts = tuple(ct for ct, floating in zip(cotangents, self.floating) if floating)
             grads = _node_function(self.mixed, pulled)((*diff, *cts), data, cache)
@@ -174,6 +176,8 @@ class _Function:
         def rule(primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> tuple[Any, ...]:
             diff, data, cache = primals
             outputs = self(diff, data, cache)
+            if not diff:
+                return outputs, tuple(_zero_tangent(y) for y in outputs)
             pushed = self.node.derived("push", _avals_of(diff))
             dys = iter(_node_function(self.mixed, pushed)((*diff, *tangents[0]), data, cache))
             out_tangents = tuple(

@@ -92,6 +92,11 @@ def test_torch_model_under_vmap_jvp_and_hessian(model, xs):
     assert_tree_allclose(jax.jacfwd(h)(x), jax.jacfwd(lambda v: jax_mlp(params, v))(x), rtol=RTOL, atol=ATOL)
     assert_tree_allclose(jax.hessian(loss)(x), jax.hessian(reference)(x), rtol=1e-4, atol=1e-5)
     assert_tree_allclose(jax.jit(jax.hessian(loss))(x), jax.hessian(reference)(x), rtol=1e-4, atol=1e-5)
+    # nested batches: points batched by vmap, seeds batched by jacrev / hessian inside it
+    mlp = lambda v: jax_mlp(params, v)  # noqa: E731
+    assert_tree_allclose(jax.vmap(jax.jacrev(h))(xs), jax.vmap(jax.jacrev(mlp))(xs), rtol=RTOL, atol=ATOL)
+    assert_tree_allclose(jax.vmap(jax.hessian(loss))(xs[:2]), jax.vmap(jax.hessian(reference))(xs[:2]),
+                         rtol=1e-4, atol=1e-5)
 
 
 def test_torch_parameters_as_jax_arrays_through_ad_gradient(model, xs):
@@ -132,6 +137,9 @@ def test_constant_is_data_and_cache_is_scratch(xs):
     assert not any(asked)  # g never saw a Constant that torch would differentiate
     assert_tree_allclose(jax.jit(loss)(x, scale), jnp.sum(x * scale * x), rtol=RTOL, atol=ATOL)
     assert not jnp.any(scratch)  # g wrote into copies, never into the buffer JAX owns
+    only_data = lambda c: h(Constant(c), Constant(scale), Cache(scratch)) + jnp.sum(c)  # noqa: E731
+    assert_tree_allclose(jax.grad(only_data)(x), jnp.ones(3), rtol=0, atol=0)
+    assert_tree_allclose(jax.jvp(only_data, (x,), (scale,))[1], jnp.sum(scale), rtol=RTOL, atol=ATOL)
     assert_tree_allclose(jax.jvp(lambda v: loss(v, scale), (x,), (scale,))[1], jnp.sum(2 * x * scale**2),
                          rtol=RTOL, atol=ATOL)
 
