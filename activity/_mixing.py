@@ -490,7 +490,7 @@ def differentiate_with(g: Callable[..., Any], backend: Any, *, has_aux: bool = F
     >>> import activity as ad
     >>> h = ad.differentiate_with(lambda x: np.sum(np.sin(x)), ad.AutoFiniteDifferences())
     >>> np.round(jax.grad(h)(jnp.array([0.0, np.pi])), 6)
-    array([ 1., -1.], dtype=float32)
+    Array([ 1., -1.], dtype=float32)
     """
     from .backends import Backend
 
