@@ -34,7 +34,7 @@ MAX_SIGNATURES = 32
 """How many argument signatures one ``h`` keeps prepared operators for (least recently used dropped)."""
 
 _KINDS = ("active", "constant", "cache")
-_WRAPPERS: dict[str, type[Annotation]] = {"active": Active, "constant": Constant, "cache": Cache}
+_WRAPPERS: dict[str, type[Annotation[Any]]] = {"active": Active, "constant": Constant, "cache": Cache}
 
 
 # ------------------------------------------------------------------ inner functions
