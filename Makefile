@@ -9,8 +9,10 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# The exact torch first: here 2.13.0 is a local CPU wheel, and the [torch] extra's range
+	@# (torch>=2.2) then accepts it instead of downloading a CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,test,docs,bench]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,testing,test,docs,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -15,14 +15,13 @@ import optree
 
 from .. import _arrays as arrays
 from .._problem import STATIC, array_meta, combine, ordinal, partition
+from .._imports import optional, require
 from .._tree import NAMESPACE, captured_values, flatten, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
 def _jax() -> Any:
-    import jax
-
-    return jax
+    return optional("jax", "AutoJAX()")
 
 
 @attrs.frozen
@@ -40,6 +39,9 @@ class AutoJAX(Backend):
     """
 
     framework = "jax"
+
+    def __attrs_post_init__(self) -> None:
+        require("jax", "AutoJAX()")
 
     def as_array(self, leaf: Any) -> Any:
         return _jax().numpy.asarray(leaf) if isinstance(leaf, float) else leaf
