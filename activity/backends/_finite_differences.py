@@ -9,6 +9,7 @@ No AD system is involved, so it works on any Python function; it is slow
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import sys
 import warnings
@@ -130,7 +131,10 @@ class AutoFiniteDifferences(Backend):
     def context(self) -> contextlib.AbstractContextManager:
         if "jax" not in sys.modules:
             return contextlib.nullcontext()
-        return sys.modules["jax"].enable_x64(True)
+        jax = sys.modules["jax"]
+        # jax.enable_x64 is the newer spelling; older jax (0.7 included) has only jax.experimental.enable_x64.
+        enable_x64 = getattr(jax, "enable_x64", None) or importlib.import_module("jax.experimental").enable_x64
+        return enable_x64(True)
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
