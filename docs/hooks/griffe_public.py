@@ -31,3 +31,60 @@ class PublicNames(griffe.Extension):
                 continue
             target = f"{value.__module__}.{value.__qualname__}"
             pkg.set_member(name, griffe.Alias(name, target, parent=pkg))
+
+
+class AttrsConstructors(griffe.Extension):
+    """attrs classes get their generated ``__init__``, so the reference shows how to construct them.
+
+    Read statically, an attrs class has no ``__init__``: its signature and the defaults of the
+    documented parameters would be missing (a default would read "required"). The signature is
+    taken from the live class, which attrs has given the real one.
+    """
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        if pkg.name == "activity":
+            self._visit(pkg)
+
+    def _visit(self, obj: griffe.Object | griffe.Alias) -> None:
+        for member in list(obj.members.values()):
+            if member.is_alias:
+                continue
+            if member.is_module:
+                self._visit(member)
+            elif member.is_class:
+                self._add_init(member)
+                self._visit(member)
+
+    def _add_init(self, cls: griffe.Object | griffe.Alias) -> None:
+        import inspect
+
+        import attrs
+
+        if "__init__" in cls.members:
+            return
+        try:
+            live = getattr(importlib.import_module(cls.module.path), cls.name)
+        except (ImportError, AttributeError):
+            return
+        if not (isinstance(live, type) and attrs.has(live)):
+            return
+        kinds = {
+            inspect.Parameter.POSITIONAL_OR_KEYWORD: griffe.ParameterKind.positional_or_keyword,
+            inspect.Parameter.KEYWORD_ONLY: griffe.ParameterKind.keyword_only,
+            inspect.Parameter.VAR_POSITIONAL: griffe.ParameterKind.var_positional,
+            inspect.Parameter.VAR_KEYWORD: griffe.ParameterKind.var_keyword,
+            inspect.Parameter.POSITIONAL_ONLY: griffe.ParameterKind.positional_only,
+        }
+        parameters = [griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword)]
+        for parameter in inspect.signature(live).parameters.values():
+            annotation = parameter.annotation
+            parameters.append(
+                griffe.Parameter(
+                    parameter.name,
+                    annotation=None if annotation is inspect.Parameter.empty else str(annotation),
+                    kind=kinds[parameter.kind],
+                    default=None if parameter.default is inspect.Parameter.empty else repr(parameter.default),
+                )
+            )
+        init = griffe.Function("__init__", parameters=griffe.Parameters(*parameters), returns="None", parent=cls)
+        cls.set_member("__init__", init)
