@@ -36,6 +36,12 @@ class Active(Annotation):
     ``torch.nn.Module`` (its trainable parameters are differentiated).
     Non-floating leaves pass through and get ``None`` in the result.
 
+    Args:
+        value: the argument's value: a float scalar, an array, a pytree of them, or a module.
+
+    Raises:
+        TypeError: ``value`` is itself an annotation (``Active(Constant(x))``).
+
     >>> import numpy as np
     >>> import activity as ad
     >>> ad.gradient(lambda x: (x**2).sum(), ad.Active(np.array([1.0, 2.0])),
@@ -52,6 +58,12 @@ class Constant(Annotation):
 
     Under JIT, array leaves are traced (new data of the same shape never
     recompiles) and other leaves are static.
+
+    Args:
+        value: the argument's value, of any type (arrays, pytrees, modules, Python objects).
+
+    Raises:
+        TypeError: ``value`` is itself an annotation.
 
     >>> import numpy as np
     >>> import activity as ad
@@ -70,6 +82,12 @@ class Cache(Annotation):
     ``f`` receives a buffer of the same structure and shape that can hold the
     values being differentiated; derivatives flow through what ``f`` writes
     into it and reads back.
+
+    Args:
+        value: an array or a pytree of arrays giving the buffers' structure, shapes and dtypes.
+
+    Raises:
+        TypeError: ``value`` is itself an annotation.
 
     >>> import numpy as np
     >>> import activity as ad

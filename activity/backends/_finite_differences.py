@@ -71,12 +71,20 @@ class ReferencePrecisionWarning(RuntimeWarning):
 class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
 
+    Ridders' method evaluates central differences at ``step``, ``step / shrink``,
+    ``step / shrink**2``, ... (at most ``max_steps`` steps) and extrapolates them to
+    zero step. When the error estimate stays large (or ``f`` raises, or leaves its
+    domain, at a step) it starts again ten times smaller, up to ``retries`` times.
+
     Args:
-        step: the largest step tried (small enough by default not to straddle the kinks of
-            ReLU and max-pooling models at usual scales); Ridders' method shrinks it by ``shrink``
-            up to ``max_steps`` times and extrapolates to zero step. When the
-            error estimate stays large (or the step leaves the function's
-            domain) it starts again ten times smaller, up to ``retries`` times.
+        step: the largest step tried; the default 0.01 is small enough not to straddle the
+            kinks of ReLU and max-pooling models at usual scales.
+        shrink: the factor (> 1) between one step and the next.
+        max_steps: the most steps of one extrapolation (at least 2).
+        retries: the most starts, each ten times smaller than the one before (at least 1).
+
+    Raises:
+        ValueError: a parameter is out of its range (the message says which and why).
 
     >>> import numpy as np
     >>> import activity as ad
@@ -133,7 +141,7 @@ class AutoFiniteDifferences(Backend):
             return contextlib.nullcontext()
         jax = sys.modules["jax"]
         # jax.enable_x64 is the newer spelling; older jax (0.7 included) has only jax.experimental.enable_x64.
-        enable_x64 = getattr(jax, "enable_x64", None) or importlib.import_module("jax.experimental").enable_x64
+        enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else importlib.import_module("jax.experimental").enable_x64
         return enable_x64(True)
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:

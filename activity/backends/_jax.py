@@ -31,6 +31,10 @@ class AutoJAX(Backend):
     Constants are traced arguments of the compiled function, so new data of
     the same shape and dtype never recompiles; non-array leaves are static.
 
+    Raises:
+        ModuleNotFoundError: JAX is not installed (the message names
+            ``pip install "activity-ad[jax]"``).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.gradient(lambda w, x: jnp.sum((w * x) ** 2), ad.Active(jnp.ones(2)),

@@ -114,6 +114,11 @@ class AutoTorch(Backend):
             ``"error"`` (random operations under `vmap` fall back to the tape, which
             draws once for the whole batch), ``"different"`` or ``"same"``.
 
+    Raises:
+        ValueError: an option is not one of its choices.
+        ModuleNotFoundError: torch is not installed (the message names
+            ``pip install "activity-ad[torch]"``).
+
     >>> import torch
     >>> import activity as ad
     >>> model = torch.nn.Linear(2, 1)

@@ -75,15 +75,19 @@ class AttrsConstructors(griffe.Extension):
             inspect.Parameter.VAR_KEYWORD: griffe.ParameterKind.var_keyword,
             inspect.Parameter.POSITIONAL_ONLY: griffe.ParameterKind.positional_only,
         }
+        fields = attrs.fields_dict(live)
         parameters = [griffe.Parameter("self", kind=griffe.ParameterKind.positional_or_keyword)]
         for parameter in inspect.signature(live).parameters.values():
-            annotation = parameter.annotation
+            annotation, default = parameter.annotation, parameter.default
+            field = fields.get(parameter.name) or fields.get("_" + parameter.name)
+            if field is not None and isinstance(field.default, attrs.Factory) and not field.default.takes_self:
+                default = field.default.factory()  # what a call without it gets, not attrs' NOTHING
             parameters.append(
                 griffe.Parameter(
                     parameter.name,
                     annotation=None if annotation is inspect.Parameter.empty else str(annotation),
                     kind=kinds[parameter.kind],
-                    default=None if parameter.default is inspect.Parameter.empty else repr(parameter.default),
+                    default=None if default is inspect.Parameter.empty else repr(default),
                 )
             )
         init = griffe.Function("__init__", parameters=griffe.Parameters(*parameters), returns="None", parent=cls)
