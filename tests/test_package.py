@@ -98,3 +98,18 @@ def test_sdist_carries_what_its_tests_read_and_passes_twine_check(tmp_path):
     assert sorted(needed - names) == []
     check = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(sdist)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_makefiles_exact_torch_satisfies_the_torch_extra():
+    # `make test` installs its exact CPU torch first; the extra must accept it, or pip would
+    # replace it by another build (a CUDA one, downloaded) when it installs the extras.
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pinned = re.search(r'"torch==([\w.+]+)"', (ROOT / "Makefile").read_text()).group(1)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (torch,) = [Requirement(r) for r in extras["torch"] if Requirement(r).name == "torch"]
+    assert "==" not in str(torch.specifier), f"the [torch] extra pins {torch}: state a range"
+    assert torch.specifier.contains(pinned), (pinned, str(torch.specifier))
