@@ -27,7 +27,7 @@ class PublicNames(griffe.Extension):
             value = getattr(live, name, None)
             if member is None or value is None or isinstance(value, types.ModuleType):
                 continue
-            if not member.is_alias or not member.final_target.is_module:
+            if not isinstance(member, griffe.Alias) or not member.final_target.is_module:
                 continue
             target = f"{value.__module__}.{value.__qualname__}"
             pkg.set_member(name, griffe.Alias(name, target, parent=pkg))
@@ -80,8 +80,10 @@ class AttrsConstructors(griffe.Extension):
         for parameter in inspect.signature(live).parameters.values():
             annotation, default = parameter.annotation, parameter.default
             field = fields.get(parameter.name) or fields.get("_" + parameter.name)
-            if field is not None and isinstance(field.default, attrs.Factory) and not field.default.takes_self:
-                default = field.default.factory()  # what a call without it gets, not attrs' NOTHING
+            declared = field.default if field is not None else None
+            factory = getattr(declared, "factory", None)
+            if factory is not None and not getattr(declared, "takes_self", False):
+                default = factory()  # what a call without it gets, not attrs' NOTHING
             parameters.append(
                 griffe.Parameter(
                     parameter.name,
