@@ -196,7 +196,9 @@ def test_public_docstrings_document_their_parameters():
     import activity as ad
     from activity.testing import Scenario
 
-    documented = [getattr(ad, n) for n in ad.__all__ if callable(getattr(ad, n)) and not n[0].isupper()]
+    from activity._operators._names import OPERATORS
+
+    documented = [getattr(ad, n) for n in OPERATORS] + [ad.prepare]
     documented += [ad.Active, ad.Constant, ad.Cache, ad.AutoFiniteDifferences, ad.SecondOrder, ad.AutoTorch, Scenario]
     for obj in documented:
         doc = inspect.getdoc(obj)
