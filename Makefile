@@ -5,12 +5,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench install clean flake
+.PHONY: demo test bench install clean flake screenshots
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# The exact torch first: here 2.13.0 is a local CPU wheel, and the [torch] extra's range
+	@# (torch>=2.2) then accepts it instead of downloading a CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,test,docs,bench]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,testing,test,docs,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,6 +36,11 @@ flake: $(STAMP)
 	OMP_NUM_THREADS=1 ACTIVITY_FLAKE_SEEDS=0:100 ACTIVITY_SWEEP_SEEDS=0:100 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_flakes.py tests/test_reference_sweep.py & first=$$!; \
 	OMP_NUM_THREADS=1 ACTIVITY_FLAKE_SEEDS=100:200 ACTIVITY_SWEEP_SEEDS=100:200 $(PY) -m pytest -q -s -p no:cacheprovider tests/test_flakes.py tests/test_reference_sweep.py; second=$$?; \
 	wait $$first && exit $$second
+
+# Builds the docs site and takes 1280 px headless Chromium screenshots of its main pages into
+# build/screenshots (needs Debian's chromium: apt-get install -y chromium).
+screenshots: $(STAMP)
+	$(PY) docs/hooks/screenshots.py build/screenshots
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

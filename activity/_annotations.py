@@ -39,6 +39,12 @@ class Active(Annotation[T]):
     ``torch.nn.Module`` (its trainable parameters are differentiated).
     Non-floating leaves pass through and get ``None`` in the result.
 
+    Args:
+        value: the argument's value: a float scalar, an array, a pytree of them, or a module.
+
+    Raises:
+        TypeError: ``value`` is itself an annotation (``Active(Constant(x))``).
+
     >>> import numpy as np
     >>> import activity as ad
     >>> ad.gradient(lambda x: (x**2).sum(), ad.Active(np.array([1.0, 2.0])),
@@ -55,6 +61,12 @@ class Constant(Annotation[T]):
 
     Under JIT, array leaves are traced (new data of the same shape never
     recompiles) and other leaves are static.
+
+    Args:
+        value: the argument's value, of any type (arrays, pytrees, modules, Python objects).
+
+    Raises:
+        TypeError: ``value`` is itself an annotation.
 
     >>> import numpy as np
     >>> import activity as ad
@@ -73,6 +85,12 @@ class Cache(Annotation[T]):
     ``f`` receives a buffer of the same structure and shape that can hold the
     values being differentiated; derivatives flow through what ``f`` writes
     into it and reads back.
+
+    Args:
+        value: an array or a pytree of arrays giving the buffers' structure, shapes and dtypes.
+
+    Raises:
+        TypeError: ``value`` is itself an annotation.
 
     >>> import numpy as np
     >>> import activity as ad

@@ -35,6 +35,16 @@ class Prepared(Generic[R]):
 
     Arguments may be raw values (they take the prepared kinds) or annotated
     with the same kinds; ``tangent=``/``cotangent=`` are passed per call.
+    Made by `prepare`, not constructed directly.
+
+    Attributes:
+        operator: the operator's name, e.g. ``"gradient"``.
+        backend: the backend it was prepared for.
+
+    Raises:
+        PreparationMismatchError: (from a call, with ``strict=True``) the arguments differ
+            from the preparation's in kind, structure, shape, dtype, device or static value;
+            the message names the argument and what differs.
     """
 
     def __init__(
@@ -466,6 +476,27 @@ def prepare(  # type: ignore[misc]
     A prepared object may be called from several threads at once: each call
     builds its own state (module views, Cache buffers, tapes) and shares only
     what was compiled, so every thread gets the result for its own arguments.
+
+    Args:
+        op: the operator, e.g. `activity.gradient`, or its name (``"gradient"``).
+        f: the function, called as ``f(*values)``.
+        *args: the preparation arguments, each annotated `Active`, `Constant` or `Cache`
+            (values or placeholders of the shapes and dtypes later calls will bring).
+        backend: as for the operator; ``None`` infers JAX or torch from the arguments.
+        strict: raise `PreparationMismatchError` for a call unlike the preparation
+            (``True``), or prepare again for its signature (``False``).
+        max_signatures: with ``strict=False``, how many signatures to keep (default 32).
+        **op_kwargs: the operator's own keywords: ``has_aux``, and ``tangent``/``tangents``
+            or ``cotangent``/``cotangents`` (their values are placeholders too).
+
+    Returns:
+        A `Prepared` operator: call it with the raw values of the arguments in the same
+        order (no annotations), and the operator's per-call keywords.
+
+    Raises:
+        TypeError: ``op`` is not an operator, an argument is not annotated, or a keyword is
+            not the operator's.
+        UnsupportedError: ``backend`` does not support this operator prepared with these kinds.
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

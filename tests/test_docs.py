@@ -122,5 +122,93 @@ def test_mkdocs_build_strict(tmp_path):
     backends_page = (tmp_path / "site" / "backends" / "index.html").read_text()
     assert "SecondOrder(AutoJAX, AutoFiniteDifferences)" in backends_page  # the generated table
     assert "<!-- support-matrix -->" not in backends_page
-    api = (tmp_path / "site" / "api" / "activity" / "index.html").read_text()
-    assert "value_gradient_and_hessian" in api
+    site = tmp_path / "site"
+    api = (site / "api" / "operators" / "index.html").read_text()
+    assert 'id="activity.value_gradient_and_hessian"' in api
+    _check_executed_output(site)
+    _check_api_reference(site)
+    assert "activity " + _version() in (site / "index.html").read_text()  # the version, in the header
+    changelog = (site / "changelog" / "index.html").read_text()
+    assert "0.1.0" in changelog and "Unreleased" in changelog  # CHANGELOG.md, included
+
+
+def _version() -> str:
+    import activity
+
+    return activity.__version__
+
+
+def _check_executed_output(site: Path) -> None:
+    """The errors page shows the messages its blocks produce, as raising them here gives them."""
+    import html
+
+    import jax.numpy as jnp
+
+    import activity as ad
+
+    w, x = jnp.ones(2), jnp.ones((3, 2))
+    expected = []
+    for call in (
+        lambda: ad.gradient(lambda w, x: jnp.sum(x @ w), ad.Active(w), x),
+        lambda: ad.gradient(lambda w, x: x @ w, ad.Active(w), ad.Constant(x)),
+        lambda: ad.prepare(ad.gradient, lambda w, x: jnp.sum(x @ w), ad.Active(w), ad.Constant(x))(w, jnp.ones((5, 2))),
+    ):
+        with pytest.raises(Exception) as caught:
+            call()
+        expected.append(f"{type(caught.value).__name__}: {caught.value}")
+    errors = (site / "errors" / "index.html").read_text()
+    for message in expected:
+        assert html.escape(message, quote=False) in errors, message
+    install = (site / "install" / "index.html").read_text()
+    assert 'is not installed; install it with pip install "activity-ad[jax]"' in html.unescape(install)
+
+
+def _inventory(site: Path) -> set[str]:
+    """The names objects.inv lists: what other projects' docs can link to."""
+    import zlib
+
+    data = (site / "objects.inv").read_bytes()
+    header_end = 0
+    for _ in range(4):  # four header lines, then zlib
+        header_end = data.index(b"\n", header_end) + 1
+    return {line.split(" ", 1)[0] for line in zlib.decompress(data[header_end:]).decode().splitlines()}
+
+
+def _check_api_reference(site: Path) -> None:
+    import activity
+    import activity.testing
+
+    names = _inventory(site)
+    public = [f"activity.{n}" for n in activity.__all__] + [f"activity.testing.{n}" for n in activity.testing.__all__]
+    assert [n for n in public if n not in names] == []
+    backends = (site / "api" / "backends" / "index.html").read_text()
+    assert "finalize" not in backends and 'id="activity.Backend.jvp"' not in backends  # internals stay out
+    section = backends[backends.index('id="activity.AutoFiniteDifferences"'):backends.index('id="activity.SecondOrder"')]
+    for parameter in ("step", "shrink", "max_steps", "retries"):
+        assert f"<code>{parameter}</code>" in section, parameter
+    assert "required" not in section  # every parameter has a default
+
+
+def test_public_docstrings_document_their_parameters():
+    """Args sections name exactly the parameters of the signature, and say what is returned and raised."""
+    import inspect
+
+    import activity as ad
+    from activity.testing import Scenario
+
+    from activity._operators._names import OPERATORS
+
+    documented = [getattr(ad, n) for n in OPERATORS] + [ad.prepare]
+    documented += [ad.Active, ad.Constant, ad.Cache, ad.AutoFiniteDifferences, ad.SecondOrder, ad.AutoTorch, Scenario]
+    for obj in documented:
+        doc = inspect.getdoc(obj)
+        signature = inspect.signature(obj)
+        names = [("*" if p.kind is p.VAR_POSITIONAL else "**" if p.kind is p.VAR_KEYWORD else "") + p.name
+                 for p in signature.parameters.values()]
+        args = re.search(r"^Args:\n((?:    .*\n|\n)*)", doc + "\n", re.MULTILINE)
+        assert args, f"{obj.__qualname__} has no Args section"
+        listed = re.findall(r"^    (\*{0,2}\w+):", args.group(1), re.MULTILINE)
+        assert listed == names, (obj.__qualname__, listed, names)
+        assert "Raises:" in doc, obj.__qualname__
+        if not isinstance(obj, type):
+            assert "Returns:" in doc, obj.__qualname__

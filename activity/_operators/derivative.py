@@ -40,6 +40,24 @@ def derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend |
     The output may be any array or pytree; the result has its structure. With
     several Active scalars, a tuple of partial derivatives.
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+
+    Returns:
+        The derivative, of the structure of ``f``'s output; a tuple of them for several Active
+        arguments.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: an Active argument is not a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.derivative(lambda t: jnp.array([t, t**2]), ad.Active(3.0), backend=ad.AutoJAX())
@@ -58,6 +76,23 @@ def value_and_derivative(
 ) -> tuple[R, Any]: ...
 def value_and_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """``(f(*values), derivative)``; see `derivative`.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+
+    Returns:
+        ``(value, derivative)``: ``f``'s output and `derivative`'s result.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: an Active argument is not a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

@@ -66,6 +66,26 @@ def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
     ``torch.nn.Module`` gives a dict keyed like ``named_parameters()``. With
     ``has_aux=True`` ``f`` returns ``(output, aux)`` and the result is ``(grad, aux)``.
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+
+    Returns:
+        The gradient, of the structure of the Active argument (a dict keyed like
+        ``named_parameters()`` for a module); a tuple for several Active arguments;
+        ``(gradient, aux)`` with ``has_aux=True``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: ``f`` does not return a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> loss = lambda params, x: jnp.sum((params["w"] * x + params["b"]) ** 2)
@@ -101,6 +121,24 @@ def value_and_gradient(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
 ) -> Any:
     """``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+
+    Returns:
+        ``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: ``f`` does not return a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

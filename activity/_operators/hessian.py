@@ -37,6 +37,24 @@ def hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | No
     """Hessian of a scalar ``f`` in `jax.hessian`'s layout (input structure twice,
     leaves of shape ``shape_i + shape_j``); a tuple of tuples for several Active arguments.
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+
+    Returns:
+        The Hessian: the Active argument's structure twice, leaves of shape ``shape_i + shape_j``;
+        a tuple of tuples for several Active arguments.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: ``f`` does not return a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.hessian(lambda x: x[0] * x[1] ** 2, ad.Active(jnp.array([1.0, 2.0])))
@@ -68,6 +86,23 @@ def value_gradient_and_hessian(
 ) -> tuple[R, Any, Any]: ...
 def value_gradient_and_hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
     """``(value, gradient, hessian)``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+
+    Returns:
+        ``(value, gradient, hessian)``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: ``f`` does not return a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

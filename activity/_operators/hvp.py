@@ -66,6 +66,28 @@ def hvp(
 def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
     """Hessian-vector product of a scalar ``f`` along ``tangent`` (a list for ``tangents=[...]``).
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        tangent: one tangent, of the structure of the Active argument (a tuple of them for
+            several Active arguments).
+        tangents: a list of tangents instead, computed in one batched call where the backend can.
+
+    Returns:
+        The Hessian-vector product, of the structure of the Active argument; a list for ``tangents=``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: ``f`` does not return a scalar.
+        TypeError: neither or both of ``tangent=`` and ``tangents=`` are given.
+        ValueError: a tangent's structure or shapes differ from the Active arguments'.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.hvp(lambda x: jnp.sum(x**3), ad.Active(jnp.array([1.0, 2.0])), tangent=jnp.array([1.0, 1.0]))
@@ -118,6 +140,28 @@ def gradient_and_hvp(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
 ) -> Any:
     """``(gradient, hvp)``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        tangent: one tangent, of the structure of the Active argument (a tuple of them for
+            several Active arguments).
+        tangents: a list of tangents instead, computed in one batched call where the backend can.
+
+    Returns:
+        ``(gradient, hvp)``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: ``f`` does not return a scalar.
+        TypeError: neither or both of ``tangent=`` and ``tangents=`` are given.
+        ValueError: a tangent's structure or shapes differ from the Active arguments'.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

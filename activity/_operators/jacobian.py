@@ -46,6 +46,24 @@ def jacobian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
     """Jacobian of ``f`` in `jax.jacobian`'s layout: output structure, then input structure,
     each leaf of shape ``output_shape + input_shape``.
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+
+    Returns:
+        The Jacobian: ``f``'s output structure, then the Active argument's, each leaf of shape
+        ``output_shape + input_shape``; ``(jacobian, aux)`` with ``has_aux=True``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.jacobian(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])))
@@ -59,6 +77,23 @@ def value_and_jacobian(
     f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
 ) -> tuple[R, Any]:
     """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+
+    Returns:
+        ``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

@@ -95,6 +95,27 @@ def pullback(
     A cotangent has the structure of ``f``'s output; the result has the
     structure of the Active argument(s).
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        cotangent: one cotangent, of the structure of ``f``'s output.
+        cotangents: a list of cotangents instead, computed in one batched call where the backend can.
+
+    Returns:
+        The pulled-back cotangent, of the structure of the Active argument (a tuple for several);
+        a list of them for ``cotangents=``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        TypeError: neither or both of ``cotangent=`` and ``cotangents=`` are given.
+        ValueError: a cotangent's structure or shapes differ from ``f``'s output.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.pullback(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])), cotangent=jnp.array([1.0, 1.0]))
@@ -147,6 +168,26 @@ def value_and_pullback(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
 ) -> Any:
     """``(value, pullback)``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        cotangent: one cotangent, of the structure of ``f``'s output.
+        cotangents: a list of cotangents instead, computed in one batched call where the backend can.
+
+    Returns:
+        ``(value, pullback)``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        TypeError: neither or both of ``cotangent=`` and ``cotangents=`` are given.
+        ValueError: a cotangent's structure or shapes differ from ``f``'s output.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

@@ -47,6 +47,27 @@ def pushforward(
     there are several); a batch is computed in one vectorised call where the
     backend can.
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        tangent: one tangent, of the structure of the Active argument (a tuple of them for
+            several Active arguments).
+        tangents: a list of tangents instead, computed in one batched call where the backend can.
+
+    Returns:
+        The output tangent, of the structure of ``f``'s output; a list of them for ``tangents=``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        TypeError: neither or both of ``tangent=`` and ``tangents=`` are given.
+        ValueError: a tangent's structure or shapes differ from the Active arguments'.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.pushforward(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])), tangent=jnp.array([1.0, 0.0]))
@@ -74,6 +95,27 @@ def value_and_pushforward(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
 ) -> Any:
     """``(value, pushforward)``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+        tangent: one tangent, of the structure of the Active argument (a tuple of them for
+            several Active arguments).
+        tangents: a list of tangents instead, computed in one batched call where the backend can.
+
+    Returns:
+        ``(value, pushforward)``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        TypeError: neither or both of ``tangent=`` and ``tangents=`` are given.
+        ValueError: a tangent's structure or shapes differ from the Active arguments'.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import jax.numpy as jnp
     >>> import activity as ad

@@ -47,6 +47,24 @@ def second_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Ba
 
     With several Active scalars, a tuple of tuples (``[i][j]`` is d2/dxi dxj).
 
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+
+    Returns:
+        The second derivative, of the structure of ``f``'s output; a tuple of tuples for several
+        Active arguments.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: an Active argument is not a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.second_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
@@ -67,6 +85,23 @@ def value_derivative_and_second_derivative(
     f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None
 ) -> Any:
     """``(value, derivative, second_derivative)``.
+
+    Args:
+        f: the function, called as ``f(*values)`` with the value inside each annotation.
+        *args: the arguments of ``f`` in order, each wrapped in `Active` (differentiated),
+            `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
+        backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
+            infers JAX or torch from the arguments.
+
+    Returns:
+        ``(value, derivative, second_derivative)``.
+
+    Raises:
+        TypeError: an argument is not annotated, no argument is Active, or no backend can be
+            inferred (numpy values alone, or JAX and torch mixed).
+        ValueError: an Active argument is not a scalar.
+        UnsupportedError: ``backend`` does not support this operator with these annotation kinds
+            (see `Backend.supports`).
 
     >>> import activity as ad
     >>> ad.value_derivative_and_second_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())

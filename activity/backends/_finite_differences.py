@@ -9,6 +9,7 @@ No AD system is involved, so it works on any Python function; it is slow
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import sys
 import warnings
@@ -70,12 +71,20 @@ class ReferencePrecisionWarning(RuntimeWarning):
 class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
 
+    Ridders' method evaluates central differences at ``step``, ``step / shrink``,
+    ``step / shrink**2``, ... (at most ``max_steps`` steps) and extrapolates them to
+    zero step. When the error estimate stays large (or ``f`` raises, or leaves its
+    domain, at a step) it starts again ten times smaller, up to ``retries`` times.
+
     Args:
-        step: the largest step tried (small enough by default not to straddle the kinks of
-            ReLU and max-pooling models at usual scales); Ridders' method shrinks it by ``shrink``
-            up to ``max_steps`` times and extrapolates to zero step. When the
-            error estimate stays large (or the step leaves the function's
-            domain) it starts again ten times smaller, up to ``retries`` times.
+        step: the largest step tried; the default 0.01 is small enough not to straddle the
+            kinks of ReLU and max-pooling models at usual scales.
+        shrink: the factor (> 1) between one step and the next.
+        max_steps: the most steps of one extrapolation (at least 2).
+        retries: the most starts, each ten times smaller than the one before (at least 1).
+
+    Raises:
+        ValueError: a parameter is out of its range (the message says which and why).
 
     >>> import numpy as np
     >>> import activity as ad
@@ -130,7 +139,10 @@ class AutoFiniteDifferences(Backend):
     def context(self) -> contextlib.AbstractContextManager[Any]:
         if "jax" not in sys.modules:
             return contextlib.nullcontext()
-        return sys.modules["jax"].enable_x64(True)  # type: ignore[no-any-return]
+        jax = sys.modules["jax"]
+        # jax.enable_x64 is the newer spelling; older jax (0.7 included) has only jax.experimental.enable_x64.
+        enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else importlib.import_module("jax.experimental").enable_x64
+        return enable_x64(True)  # type: ignore[no-any-return]
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)

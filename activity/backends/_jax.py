@@ -15,14 +15,13 @@ import optree
 
 from .. import _arrays as arrays
 from .._problem import STATIC, array_meta, combine, ordinal, partition
+from .._imports import optional, require
 from .._tree import NAMESPACE, captured_values, flatten, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
 def _jax() -> Any:
-    import jax
-
-    return jax
+    return optional("jax", "AutoJAX()")
 
 
 @attrs.frozen
@@ -32,6 +31,10 @@ class AutoJAX(Backend):
     Constants are traced arguments of the compiled function, so new data of
     the same shape and dtype never recompiles; non-array leaves are static.
 
+    Raises:
+        ModuleNotFoundError: JAX is not installed (the message names
+            ``pip install "activity-ad[jax]"``).
+
     >>> import jax.numpy as jnp
     >>> import activity as ad
     >>> ad.gradient(lambda w, x: jnp.sum((w * x) ** 2), ad.Active(jnp.ones(2)),
@@ -40,6 +43,9 @@ class AutoJAX(Backend):
     """
 
     framework: ClassVar[str | None] = "jax"
+
+    def __attrs_post_init__(self) -> None:
+        require("jax", "AutoJAX()")
 
     def as_array(self, leaf: Any) -> Any:
         return _jax().numpy.asarray(leaf) if isinstance(leaf, float) else leaf

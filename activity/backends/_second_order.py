@@ -40,6 +40,15 @@ class SecondOrder(Backend):
     gradient in `hvp` and `hessian`: along the tangents (``"forward-over-reverse"``) or
     pulling them back (``"reverse-over-reverse"``; the Hessian is symmetric).
 
+    Args:
+        outer: the backend that differentiates the first derivatives.
+        inner: the backend that computes them (and every first-order operator).
+        mode: ``"forward-over-reverse"`` or ``"reverse-over-reverse"``.
+
+    Raises:
+        TypeError: ``outer`` or ``inner`` is not a first-order backend.
+        ValueError: ``mode`` is not one of the two.
+
     >>> import numpy as np
     >>> import activity as ad
     >>> backend = ad.SecondOrder(ad.AutoFiniteDifferences(), ad.AutoFiniteDifferences())

@@ -19,9 +19,7 @@ and ``.grad`` of the user's module never change.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
-import sys
 import threading
 import warnings
 from typing import Any, Callable, ClassVar
@@ -30,13 +28,14 @@ import attrs
 
 from .. import _arrays as arrays
 from .._errors import add_note
+from .._imports import optional, require
 from .._tree import flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 from ._torch_modules import ModuleDescription, bound_view, described
 
 
 def _torch() -> Any:
-    return sys.modules.get("torch") or importlib.import_module("torch")  # imported on first use only
+    return optional("torch", "AutoTorch()")  # imported on first use only
 
 
 def _inside_functorch() -> bool:
@@ -115,6 +114,11 @@ class AutoTorch(Backend):
             ``"error"`` (random operations under `vmap` fall back to the tape, which
             draws once for the whole batch), ``"different"`` or ``"same"``.
 
+    Raises:
+        ValueError: an option is not one of its choices.
+        ModuleNotFoundError: torch is not installed (the message names
+            ``pip install "activity-ad[torch]"``).
+
     >>> import torch
     >>> import activity as ad
     >>> model = torch.nn.Linear(2, 1)
@@ -127,6 +131,9 @@ class AutoTorch(Backend):
     vectorize: bool | None = attrs.field(default=None, validator=_in_choices("vectorize", (None, True, False)))
     randomness: str = attrs.field(default="error", validator=_in_choices("randomness", ("error", "different", "same")))
     framework: ClassVar[str | None] = "torch"
+
+    def __attrs_post_init__(self) -> None:
+        require("torch", "AutoTorch()")
 
     def __repr__(self) -> str:
         changed = [f"{a.name}={getattr(self, a.name)!r}" for a in attrs.fields(type(self)) if getattr(self, a.name) != a.default]

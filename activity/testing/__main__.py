@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import statistics
 import sys
 import time
@@ -25,20 +24,14 @@ from typing import Any
 
 import numpy as np
 
+from .._imports import install_command, is_installed
+
 FRAMEWORKS = ("numpy", "jax", "torch")
 CATALOGUES = ("default", "nn")
-INSTALL = {"jax": "pip install jax", "torch": "pip install torch", "equinox": "pip install equinox"}
 OK, FAILED, NOTHING = 0, 1, 2
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a broken or blocked package
-        return False
-
-
-def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, notes: list[str]) -> list[Any]:
+def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, notes: list[str]) -> list:
     """The scenarios of ``kinds`` for ``framework``, named ``framework/name``; what cannot be built goes to ``notes``."""
     from activity.testing import batchify, cachify, closurify, constantify, default_scenarios, nn_scenarios
 
@@ -53,10 +46,8 @@ def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, no
             scenarios += nn_scenarios(framework, seed=seed)
         except ImportError as error:
             missing = getattr(error, "name", None) or "a package"
-            notes.append(
-                f"skipped the {framework} nn catalogue: {missing} cannot be imported ({type(error).__name__}: {error}); "
-                f"install it with `{INSTALL.get(missing, f'pip install {missing}')}`"
-            )
+            why = "is not installed" if not is_installed(missing) else f"cannot be imported ({type(error).__name__}: {error})"
+            notes.append(f"skipped the {framework} nn catalogue: {missing} {why}; install it with `{install_command(missing)}`")
     for s in scenarios:
         s.name = f"{framework}/{s.name}"
     return scenarios
@@ -65,7 +56,8 @@ def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, no
 def _backends(framework: str) -> list[Any]:
     import activity as ad
 
-    return {"numpy": [ad.AutoFiniteDifferences()], "jax": [ad.AutoJAX()], "torch": [ad.AutoTorch()]}[framework]  # type: ignore[return-value]
+    backend = {"numpy": ad.AutoFiniteDifferences, "jax": ad.AutoJAX, "torch": ad.AutoTorch}[framework]
+    return [backend()]  # only the framework asked for: constructing another needs it installed
 
 
 def _time(fn: Any, repeat: int = 15, inner: int = 10) -> float:
@@ -237,12 +229,12 @@ def _frameworks(requested: list[str] | None, notes: list[str]) -> tuple[list[str
     errors = []
     chosen = []
     for framework in requested or FRAMEWORKS:
-        if framework == "numpy" or _installed(framework):
+        if framework == "numpy" or is_installed(framework):
             chosen.append(framework)
         elif requested:
-            errors.append(f"--framework {framework}: {framework} is not installed; install it with `{INSTALL[framework]}`")
+            errors.append(f"--framework {framework}: {framework} is not installed; install it with `{install_command(framework)}`")
         else:
-            notes.append(f"skipped {framework}: not installed; install it with `{INSTALL[framework]}`")
+            notes.append(f"skipped {framework}: not installed; install it with `{install_command(framework)}`")
     return chosen, errors
 
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from .._imports import optional
+
 FRAMEWORKS = ("numpy", "jax", "torch")
 
 
@@ -18,13 +20,9 @@ class Framework:
         self.name = name
         self.xp: Any
         if name == "jax":
-            import jax.numpy as jnp
-
-            self.xp = jnp
+            self.xp = optional("jax.numpy", f"activity.testing's {name} scenarios")
         elif name == "torch":
-            import torch
-
-            self.xp = torch
+            self.xp = optional("torch", f"activity.testing's {name} scenarios")
         else:
             self.xp = np
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .._annotations import Active, Constant
+from .._imports import optional
 from ._scenario import Scenario
 
 
 def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
+    jax = optional("jax", 'nn_scenarios("jax")')
+    eqx = optional("equinox", 'nn_scenarios("jax")')
+    jnp = jax.numpy
 
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 256))
 

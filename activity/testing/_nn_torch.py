@@ -13,10 +13,12 @@ import math
 from typing import Any, Callable
 
 from .._annotations import Active, Constant
+from .._imports import optional
 from ._scenario import Scenario
 
 
 def nn_scenarios_torch(seed: int = 0) -> list[Scenario]:
+    optional("torch", 'nn_scenarios("torch")')
     import torch
     from torch import nn
 

@@ -106,6 +106,25 @@ class Scenario:
     prepare with, so a prepared operator that reuses its preparation values
     fails; ``options`` are extra operator keywords such as ``has_aux``.
 
+    Args:
+        op: the operator, e.g. `activity.gradient`, or its name (``"gradient"``).
+        f: the function, called as ``f(*values)``.
+        args: the annotated arguments (`Active`, `Constant`, `Cache`), a tuple or list.
+        result: the expected result; ``None`` computes it once with the reference
+            (`AutoFiniteDifferences`).
+        tangent: the tangent (or cotangent) of operators that take one.
+        tangents: a batch of them instead.
+        prep_args: other values of the same kinds to prepare with.
+        name: the scenario's name in reports and test ids (default ``op-f.__name__``).
+        rtol: relative tolerance of the comparison (default: from the dtypes).
+        atol: absolute tolerance of the comparison (default: from the dtypes).
+        options: extra operator keywords, such as ``{"has_aux": True}``.
+        derived_from: set by the transforms (``(scenario, function)``); not for direct use.
+
+    Raises:
+        TypeError: an argument is not annotated, or an operator that takes a tangent got
+            neither or both of ``tangent=`` and ``tangents=``.
+
     >>> import numpy as np
     >>> import activity as ad
     >>> from activity.testing import Scenario
