@@ -17,7 +17,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     def pipeline(xs, ctx, cts):
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, _, pull = backend.vjp(F, xs)
-        cts = _checked(problem, traced, seeds, cts, ys)
+        cts = checked_cotangents(problem, traced, seeds, cts, ys)
         grads = pull(cts, batched)
         result = per_seed(seeds, lambda b: problem.like_active(grads if b is None else [g[b] for g in grads]))
         return (traced.output(ys), result) if value else result
@@ -25,7 +25,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def _checked(problem, traced, seeds, cts, ys) -> tuple:
+def checked_cotangents(problem, traced, seeds, cts, ys) -> tuple:
     what = "cotangent" if seeds.batch is None else "cotangents[i]"
     if seeds.spec != traced.out_spec:
         raise ValueError(

@@ -30,7 +30,8 @@ import attrs
 
 from .. import _arrays as arrays
 from .._errors import add_note
-from .._tree import flatten, unflatten
+from .._problem import Traced
+from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 from ._torch_modules import ModuleDescription, bound_view, described
 
@@ -205,9 +206,12 @@ class AutoTorch(Backend):
         # A subclass may change any step; it gets the generic path, which runs each of its hooks.
         if type(self) is not AutoTorch:
             return None
-        if plan.operator.name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
+        name, single = plan.operator.name, plan.seeds is None or plan.seeds.batch is None
+        if name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
             return CompiledCall(_tape_gradient(plan))
-        return None
+        if name in ("pullback", "value_and_pullback") and single:
+            return CompiledCall(_tape_pullback(plan))
+        return CompiledCall(_checked_pipeline(plan))
 
     # -- reverse mode ---------------------------------------------------------
 
@@ -519,6 +523,59 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
 
+class _FastSplit:
+    """`Problem.split` with the prepared checks, specialised once at prepare for a signature
+    of lone tensors and modules (the usual ``Active(model), Constant(x)``): a module is
+    checked by its description's `still_describes` (no walk), a tensor by its type, shape,
+    dtype and device. Any difference, or another kind of signature, goes to the generic
+    `Problem.split`, which says what differs or describes a changed module again.
+    """
+
+    def __init__(self, problem: Any) -> None:
+        self.problem = problem
+        self.entries: tuple | None = None
+        entries = []
+        for position, (kind, roles, bare, bare_type) in enumerate(
+            zip(problem.kinds, problem.roles, problem.bare, problem.bare_types)
+        ):
+            meta = problem.signature[position][2][0] if bare else None
+            if not bare or roles[0] not in ("module", "diff", "dynamic"):
+                return
+            if roles[0] != "module" and (meta[0] != "torch" or meta[3].type == "meta"):
+                return
+            entries.append((position, roles[0], kind == "active", bare_type, meta))
+        self.entries = tuple(entries)
+
+    def __call__(self, values: tuple) -> tuple[Flat, Flat] | None:
+        problem = self.problem
+        if self.entries is None:
+            return problem.split(values, problem.kinds)
+        xs: list = []
+        ctx: list = []
+        described = problem._described
+        for position, role, active, bare_type, meta in self.entries:
+            value = values[position]
+            if type(value) is not bare_type:
+                return problem.split(values, problem.kinds)
+            if role == "module":
+                description = described[(position, 0)]
+                if not description.still_describes(value):
+                    return problem.split(values, problem.kinds)
+                if active:
+                    xs += description.params
+                ctx.append(description)
+                continue
+            if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
+                return problem.split(values, problem.kinds)
+            (xs if role == "diff" else ctx).append(value)
+        return tuple(xs), tuple(ctx)
+
+
+def _usable(torch: Any) -> bool:
+    """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not _inside_functorch()
+
+
 def _tape_gradient(plan: Any) -> Callable:
     """A prepared gradient straight on the tape, for the prepared signature.
 
@@ -530,18 +587,20 @@ def _tape_gradient(plan: Any) -> Callable:
     raise SignatureChanged before f runs and take the generic path.
     """
     torch = _torch()
-    problem, f, kinds = plan.problem, plan.f, plan.problem.kinds
+    problem, f, n_args = plan.problem, plan.f, len(plan.problem.kinds)
+    split_checked = _FastSplit(problem)
     value_wanted = plan.operator.name == "value_and_gradient"
     op_name = plan.operator.name
+    tensor_type = torch.Tensor
 
     def gradient(*values: Any, **seed_kwargs: Any) -> Any:
-        split = None if seed_kwargs or len(values) != len(kinds) else problem.split(values, kinds)
-        if split is None or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _inside_functorch():
+        split = None if seed_kwargs or len(values) != n_args or not _usable(torch) else split_checked(values)
+        if split is None:
             raise SignatureChanged
         xs, ctx = split
         leaves = tuple(map(_tape_leaf, xs))
         out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
-        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.dtype.is_floating_point:
+        if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
             y, spec = out, None
         else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
             (y,), spec = problem.output_leaves(out, scalar=True)
@@ -552,6 +611,79 @@ def _tape_gradient(plan: Any) -> Callable:
         return (value if spec is None else unflatten(spec, [value]), result)
 
     return gradient
+
+
+def _tape_pullback(plan: Any) -> Callable:
+    """A prepared pullback of one cotangent straight on the tape (see `_tape_gradient`):
+    one evaluation of f, one `torch.autograd.grad` with the cotangent, nothing kept."""
+    torch = _torch()
+    problem, f, n_args, operator = plan.problem, plan.f, len(plan.problem.kinds), plan.operator
+    split_checked = _FastSplit(problem)
+    value_wanted = operator.name == "value_and_pullback"
+    op_name, seed_key = operator.name, plan.seed_key
+    tensor_type = torch.Tensor
+    from .._operators._common import Seeds, encode_seeds  # the operators import the backends
+    from .._operators.pullback import checked_cotangents
+
+    def pullback(*values: Any, **seed_kwargs: Any) -> Any:
+        split = None if len(values) != n_args or not _usable(torch) else split_checked(values)
+        if split is None:
+            raise SignatureChanged
+        cotangent = seed_kwargs.get("cotangent")
+        if len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
+            seeds = Seeds((cotangent,), None, LEAF)  # what `encode_seeds` makes of one tensor, without a walk
+        else:
+            seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
+        if seeds.key != seed_key:
+            raise SignatureChanged
+        xs, ctx = split
+        leaves = tuple(map(_tape_leaf, xs))
+        out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
+        traced = Traced()
+        ys, traced.out_spec = problem.output_leaves(out, False)
+        cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
+        connected = [i for i, y in enumerate(ys) if y.requires_grad]
+        if not connected:
+            raise _disconnected(op_name)
+        grads = torch.autograd.grad(
+            [ys[i] for i in connected], leaves, [cts[i] for i in connected], allow_unused=True
+        )
+        result = problem.like_active(_zeros_for_unused(grads, xs, op_name))
+        if not value_wanted:
+            return result
+        return traced.output([y.detach() for y in ys]), result
+
+    return pullback
+
+
+def _checked_pipeline(plan: Any) -> Callable:
+    """Any other prepared operator: its pipeline, after the prepared checks of `_FastSplit`
+    (what the prepared object's checked path does, without its general dispatch)."""
+    problem, n_args, operator, backend = plan.problem, len(plan.problem.kinds), plan.operator, plan.backend
+    split_checked = _FastSplit(problem)
+    seed_key, pipeline, finalize = plan.seed_key, plan.pipeline, backend.finalize
+    torch = _torch()
+    from .._operators._common import encode_seeds  # the operators import the backends
+
+    def call(*values: Any, **seed_kwargs: Any) -> Any:
+        split = None if len(values) != n_args or torch.is_inference_mode_enabled() else split_checked(values)
+        if split is None:
+            raise SignatureChanged
+        seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
+        if (None if seeds is None else seeds.key) != seed_key:
+            raise SignatureChanged
+        with backend.context():
+            return finalize(pipeline(*split, None if seeds is None else seeds.leaves), problem)
+
+    return call
+
+
+def _encoded_seeds(encode_seeds: Callable, operator: Any, problem: Any, seed_kwargs: dict) -> Any:
+    """`encode_seeds`; a mistake in them is for the prepared object's checked path to explain."""
+    try:
+        return encode_seeds(operator, problem, seed_kwargs)
+    except (TypeError, ValueError):
+        raise SignatureChanged from None
 
 
 def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:
