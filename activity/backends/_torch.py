@@ -208,10 +208,20 @@ class AutoTorch(Backend):
             return None
         name, single = plan.operator.name, plan.seeds is None or plan.seeds.batch is None
         if name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
-            return CompiledCall(_tape_gradient(plan))
+            run, f = _tape_gradient(plan.problem, name), plan.f
+            return CompiledCall(lambda *values, **seed_kwargs: run(f, values, seed_kwargs))
         if name in ("pullback", "value_and_pullback") and single:
             return CompiledCall(_tape_pullback(plan))
         return CompiledCall(_checked_pipeline(plan))
+
+    def reusable_call(self, plan: Any) -> Callable | None:
+        # Only signatures of lone tensors and modules: the call holds no static value of the user's.
+        if type(self) is not AutoTorch or plan.operator.name not in ("gradient", "value_and_gradient"):
+            return None
+        if plan.options.get("has_aux"):
+            return None
+        run = _tape_gradient(plan.problem, plan.operator.name, fallback=False)
+        return run if run.split.entries is not None else None
 
     # -- reverse mode ---------------------------------------------------------
 
@@ -512,9 +522,9 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
 
     def one(tangent: Flat) -> Flat:
         hvps = (None,) * len(xs)
-        if live:
+        if live:  # the graph is kept for the rows of a batch only
             hvps = torch.autograd.grad(
-                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=True, allow_unused=True
+                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=batched, allow_unused=True
             )
         return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
 
@@ -531,8 +541,11 @@ class _FastSplit:
     `Problem.split`, which says what differs or describes a changed module again.
     """
 
-    def __init__(self, problem: Any) -> None:
+    def __init__(self, problem: Any, fallback: bool = True) -> None:
         self.problem = problem
+        # Without the fallback, any difference gives None: an unprepared call then makes a new
+        # plan, whose checks (which backend, which framework) the generic split does not repeat.
+        self.fallback = problem.split if fallback else lambda values, kinds: None
         self.entries: tuple | None = None
         entries = []
         for position, (kind, roles, bare, bare_type) in enumerate(
@@ -549,24 +562,24 @@ class _FastSplit:
     def __call__(self, values: tuple) -> tuple[Flat, Flat] | None:
         problem = self.problem
         if self.entries is None:
-            return problem.split(values, problem.kinds)
+            return self.fallback(values, problem.kinds)
         xs: list = []
         ctx: list = []
         described = problem._described
         for position, role, active, bare_type, meta in self.entries:
             value = values[position]
             if type(value) is not bare_type:
-                return problem.split(values, problem.kinds)
+                return self.fallback(values, problem.kinds)
             if role == "module":
                 description = described[(position, 0)]
                 if not description.still_describes(value):
-                    return problem.split(values, problem.kinds)
+                    return self.fallback(values, problem.kinds)
                 if active:
                     xs += description.params
                 ctx.append(description)
                 continue
             if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
-                return problem.split(values, problem.kinds)
+                return self.fallback(values, problem.kinds)
             (xs if role == "diff" else ctx).append(value)
         return tuple(xs), tuple(ctx)
 
@@ -576,24 +589,24 @@ def _usable(torch: Any) -> bool:
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not _inside_functorch()
 
 
-def _tape_gradient(plan: Any) -> Callable:
-    """A prepared gradient straight on the tape, for the prepared signature.
+def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable:
+    """A gradient straight on the tape, for one signature: ``run(f, values, seed_kwargs)``.
 
     The same steps as the generic gradient (check and split the arguments,
     rebuild them, run f, `torch.autograd.grad`, arrange the result), without
     the layers that let one pipeline serve every operator and backend: on a
     small model those cost more than the forward and backward passes. Calls
     it does not cover (another signature, grad mode off, inside `torch.func`)
-    raise SignatureChanged before f runs and take the generic path.
+    raise SignatureChanged before f runs and take the generic path. It holds
+    no ``f``, so an unprepared call may keep it for the next (`reusable_call`).
     """
     torch = _torch()
-    problem, f, n_args = plan.problem, plan.f, len(plan.problem.kinds)
-    split_checked = _FastSplit(problem)
-    value_wanted = plan.operator.name == "value_and_gradient"
-    op_name = plan.operator.name
+    n_args = len(problem.kinds)
+    split_checked = _FastSplit(problem, fallback)
+    value_wanted = op_name == "value_and_gradient"
     tensor_type = torch.Tensor
 
-    def gradient(*values: Any, **seed_kwargs: Any) -> Any:
+    def gradient(f: Callable, values: tuple, seed_kwargs: dict) -> Any:
         split = None if seed_kwargs or len(values) != n_args or not _usable(torch) else split_checked(values)
         if split is None:
             raise SignatureChanged
@@ -610,6 +623,7 @@ def _tape_gradient(plan: Any) -> Callable:
         value = y.detach()
         return (value if spec is None else unflatten(spec, [value]), result)
 
+    gradient.split = split_checked  # type: ignore[attr-defined]
     return gradient
 
 
@@ -663,13 +677,28 @@ def _checked_pipeline(plan: Any) -> Callable:
     split_checked = _FastSplit(problem)
     seed_key, pipeline, finalize = plan.seed_key, plan.pipeline, backend.finalize
     torch = _torch()
-    from .._operators._common import encode_seeds  # the operators import the backends
+    from .._operators._common import Seeds, encode_seeds  # the operators import the backends
+
+    tensor_type = torch.Tensor
+    # One tensor differentiated: its tangent is checked by type, shape and dtype, without a walk.
+    one_tensor = (
+        operator.seed == "tangent"
+        and len(problem.diff_shapes) == 1
+        and len(problem.active_positions) == 1
+        and problem.bare[problem.active_positions[0]]
+        and problem.roles[problem.active_positions[0]] == ("diff",)
+    )
+    shape, dtype = (problem.diff_shapes[0], problem.diff_dtypes[0]) if one_tensor else (None, None)
 
     def call(*values: Any, **seed_kwargs: Any) -> Any:
         split = None if len(values) != n_args or torch.is_inference_mode_enabled() else split_checked(values)
         if split is None:
             raise SignatureChanged
-        seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
+        tangent = seed_kwargs.get("tangent") if one_tensor and len(seed_kwargs) == 1 else None
+        if type(tangent) is tensor_type and tangent.dtype is dtype and tangent.shape == shape:
+            seeds = Seeds((tangent,), None, None)  # what `encode_seeds` makes of it
+        else:
+            seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
         if (None if seeds is None else seeds.key) != seed_key:
             raise SignatureChanged
         with backend.context():
