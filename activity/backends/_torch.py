@@ -535,9 +535,10 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
 
 class _FastSplit:
     """`Problem.split` with the prepared checks, specialised once at prepare for a signature
-    of lone tensors and modules (the usual ``Active(model), Constant(x)``): a module is
-    checked by its description's `still_describes` (no walk), a tensor by its type, shape,
-    dtype and device. Any difference, or another kind of signature, goes to the generic
+    of modules, tensors and pytrees of tensors (the usual ``Active(model), Constant(x)``):
+    a module is checked by its description's `still_describes` (no walk), a tensor by its
+    type, shape, dtype and device, a pytree by its structure and then each tensor. Any
+    difference, or another kind of signature (static or Cache leaves), goes to the generic
     `Problem.split`, which says what differs or describes a changed module again.
     """
 
@@ -551,12 +552,19 @@ class _FastSplit:
         for position, (kind, roles, bare, bare_type) in enumerate(
             zip(problem.kinds, problem.roles, problem.bare, problem.bare_types)
         ):
-            meta = problem.signature[position][2][0] if bare else None
-            if not bare or roles[0] not in ("module", "diff", "dynamic"):
+            metas = problem.signature[position][2]
+            if not bare:
+                if position in problem.adapted or not all(role in ("diff", "dynamic") for role in roles):
+                    return
+                if not all(meta[0] == "torch" and meta[3].type != "meta" for meta in metas):
+                    return
+                entries.append((position, "tree", kind == "active", problem.specs[position], tuple(zip(roles, metas))))
+                continue
+            if roles[0] not in ("module", "diff", "dynamic"):
                 return
-            if roles[0] != "module" and (meta[0] != "torch" or meta[3].type == "meta"):
+            if roles[0] != "module" and (metas[0][0] != "torch" or metas[0][3].type == "meta"):
                 return
-            entries.append((position, roles[0], kind == "active", bare_type, meta))
+            entries.append((position, roles[0], kind == "active", bare_type, metas[0]))
         self.entries = tuple(entries)
 
     def __call__(self, values: tuple) -> tuple[Flat, Flat] | None:
@@ -566,8 +574,23 @@ class _FastSplit:
         xs: list = []
         ctx: list = []
         described = problem._described
+        tensor_type = _torch().Tensor
         for position, role, active, bare_type, meta in self.entries:
             value = values[position]
+            if role == "tree":
+                leaves, spec = flatten(value)
+                if spec != bare_type:  # the prepared structure
+                    return self.fallback(values, problem.kinds)
+                for leaf, (leaf_role, leaf_meta) in zip(leaves, meta):
+                    if (
+                        not isinstance(leaf, tensor_type)
+                        or leaf.dtype is not leaf_meta[2]
+                        or leaf.shape != leaf_meta[1]
+                        or leaf.device != leaf_meta[3]
+                    ):
+                        return self.fallback(values, problem.kinds)
+                    (xs if leaf_role == "diff" else ctx).append(leaf)
+                continue
             if type(value) is not bare_type:
                 return self.fallback(values, problem.kinds)
             if role == "module":
@@ -680,24 +703,35 @@ def _checked_pipeline(plan: Any) -> Callable:
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
 
     tensor_type = torch.Tensor
-    # One tensor differentiated: its tangent is checked by type, shape and dtype, without a walk.
-    one_tensor = (
+    # One Active tensor or pytree of tensors: a tangent of its structure is checked leaf by leaf
+    # (type, shape, dtype), without the generic walk that finds what is wrong with one.
+    position = problem.active_positions[0]
+    tree_tangent = (
         operator.seed == "tangent"
-        and len(problem.diff_shapes) == 1
         and len(problem.active_positions) == 1
-        and problem.bare[problem.active_positions[0]]
-        and problem.roles[problem.active_positions[0]] == ("diff",)
+        and position not in problem.adapted
+        and all(role == "diff" for role in problem.roles[position])
     )
-    shape, dtype = (problem.diff_shapes[0], problem.diff_dtypes[0]) if one_tensor else (None, None)
+    spec = problem.specs[position]
+    layouts = tuple(zip(problem.diff_shapes, problem.diff_dtypes))
+
+    def tangent_seeds(tangent: Any) -> Any:
+        leaves, got = flatten(tangent)
+        if got != spec or len(leaves) != len(layouts):
+            return None
+        for leaf, (shape, dtype) in zip(leaves, layouts):
+            if not isinstance(leaf, tensor_type) or leaf.dtype is not dtype or leaf.shape != shape:
+                return None
+        return Seeds(tuple(leaves), None, None)  # what `encode_seeds` makes of it
 
     def call(*values: Any, **seed_kwargs: Any) -> Any:
         split = None if len(values) != n_args or torch.is_inference_mode_enabled() else split_checked(values)
         if split is None:
             raise SignatureChanged
-        tangent = seed_kwargs.get("tangent") if one_tensor and len(seed_kwargs) == 1 else None
-        if type(tangent) is tensor_type and tangent.dtype is dtype and tangent.shape == shape:
-            seeds = Seeds((tangent,), None, None)  # what `encode_seeds` makes of it
-        else:
+        seeds = None
+        if tree_tangent and len(seed_kwargs) == 1 and seed_kwargs.get("tangent") is not None:
+            seeds = tangent_seeds(seed_kwargs["tangent"])
+        if seeds is None:
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
         if (None if seeds is None else seeds.key) != seed_key:
             raise SignatureChanged
