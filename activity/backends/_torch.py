@@ -19,6 +19,7 @@ and ``.grad`` of the user's module never change.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import sys
@@ -386,10 +387,9 @@ def _agrees_with_one(batch: Flat, cts: Flat, one: Callable[[Flat], Flat]) -> boo
     size = arrays.shape(cts[0])[0]
     if size < 2:
         return True
-    weights = torch.linspace(1.0, 2.0, size, dtype=torch.float64) * torch.tensor([(-1.0) ** b for b in range(size)], dtype=torch.float64)
 
     def combine(leaf: Any) -> Any:
-        w = weights.to(device=leaf.device, dtype=leaf.dtype).reshape((size,) + (1,) * (leaf.dim() - 1))
+        w = _probe_weights(size, leaf.dtype, leaf.device).reshape((size,) + (1,) * (leaf.dim() - 1))
         return (w * leaf).sum(0)
 
     expected = one(tuple(combine(c) for c in cts))
@@ -411,6 +411,14 @@ def _agrees_with_one(batch: Flat, cts: Flat, one: Callable[[Flat], Flat]) -> boo
             )
             return False
     return True
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_weights(size: int, dtype: Any, device: Any) -> Any:
+    """The weights of `_agrees_with_one`'s sum: alternating signs, magnitudes from 1 to 2 (made once)."""
+    torch = _torch()
+    signs = torch.tensor([(-1.0) ** b for b in range(size)], dtype=torch.float64)
+    return (torch.linspace(1.0, 2.0, size, dtype=torch.float64) * signs).to(device=device, dtype=dtype)
 
 
 def _func_vjp(F: FlatFunction, xs: Flat, backend: AutoTorch) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
