@@ -176,7 +176,7 @@ class Plan:
 
 
 # (operator, kinds, backend, options) -> a backend's `reusable_call` for the latest signature.
-_REUSABLE: dict[tuple, Callable] = {}
+_REUSABLE: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
 def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend | None, options: dict, seed_kwargs: dict) -> Any:
@@ -201,10 +201,10 @@ def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend 
     return plan.run(values, plan.seeds)
 
 
-_KEYS_OF_MODULE: dict[int, set[tuple]] = {}  # id(module) -> the keys of `_REUSABLE` made with it
+_KEYS_OF_MODULE: dict[int, set[tuple[Any, ...]]] = {}  # id(module) -> the keys of `_REUSABLE` made with it
 
 
-def _keep(key: tuple, reusable: Callable, problem: Problem) -> None:
+def _keep(key: tuple[Any, ...], reusable: Callable[..., Any], problem: Problem) -> None:
     """Keep ``reusable`` for ``key`` while the modules it describes live (it holds their
     parameters): each module's death drops every entry made with it."""
     _REUSABLE[key] = reusable

@@ -25,7 +25,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def checked_cotangents(problem, traced, seeds, cts, ys) -> tuple:
+def checked_cotangents(problem: Any, traced: Any, seeds: Any, cts: tuple[Any, ...], ys: tuple[Any, ...]) -> tuple[Any, ...]:
     what = "cotangent" if seeds.batch is None else "cotangents[i]"
     if seeds.spec != traced.out_spec:
         raise ValueError(

@@ -176,7 +176,9 @@ def _sealed_jit(plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable |
     return jitted, rebuilt.get("first", True)
 
 
-def _jit_with_statics(plan: Any, values: tuple, seed_kwargs: dict, retrace: Callable | None) -> CompiledCall | None:
+def _jit_with_statics(
+    plan: Any, values: tuple[Any, ...], seed_kwargs: dict[str, Any], retrace: Callable[..., Any] | None
+) -> CompiledCall | None:
     """The whole call jitted over the array leaves of arguments that also hold static leaves
     (an Equinox module's activation function, a Python number), as ``eqx.filter_jit`` does:
     per call, JAX's own flatten of each argument, its structure and static leaves compared
@@ -202,10 +204,10 @@ def _jit_with_statics(plan: Any, values: tuple, seed_kwargs: dict, retrace: Call
     call_direct, same_signature = plan.direct(), _same_signature(plan)
     sealed = False
 
-    def rebuilt_values(dynamic: tuple) -> tuple:
+    def rebuilt_values(dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
         rebuilt = []
         for (treedef, statics, dynamic_index), leaves in zip(layouts_, dynamic):
-            filled: list = [None] * (len(statics) + len(dynamic_index))
+            filled: list[Any] = [None] * (len(statics) + len(dynamic_index))
             for i, (_, static) in statics:
                 filled[i] = static
             for i, leaf in zip(dynamic_index, leaves):
@@ -213,7 +215,7 @@ def _jit_with_statics(plan: Any, values: tuple, seed_kwargs: dict, retrace: Call
             rebuilt.append(treedef.unflatten(filled))
         return tuple(rebuilt)
 
-    def whole(dynamic: tuple, seed_kwargs: dict) -> Any:
+    def whole(dynamic: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
         values = rebuilt_values(dynamic)
         if not sealed:
             return call_direct(values, seed_kwargs)
@@ -221,7 +223,7 @@ def _jit_with_statics(plan: Any, values: tuple, seed_kwargs: dict, retrace: Call
             raise SignatureChanged
         return call_direct(values, seed_kwargs)
 
-    def dynamic_leaves(values: tuple) -> tuple:
+    def dynamic_leaves(values: tuple[Any, ...]) -> tuple[Any, ...]:
         if len(values) != len(layouts_):
             raise SignatureChanged
         dynamic = []
@@ -235,7 +237,7 @@ def _jit_with_statics(plan: Any, values: tuple, seed_kwargs: dict, retrace: Call
             dynamic.append([leaves[i] for i in dynamic_index])
         return tuple(dynamic)
 
-    output: dict = {}
+    output: dict[str, Any] = {}
     jitted = jax.jit(_with_static_output(whole, output))
     try:
         jitted.lower(dynamic_leaves(values), seed_kwargs).compile()

@@ -215,14 +215,14 @@ class AutoTorch(Backend):
             return CompiledCall(_tape_pullback(plan))
         return CompiledCall(_checked_pipeline(plan))
 
-    def reusable_call(self, plan: Any) -> Callable | None:
+    def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
         # Only signatures of lone tensors and modules: the call holds no static value of the user's.
         if type(self) is not AutoTorch or plan.operator.name not in ("gradient", "value_and_gradient"):
             return None
         if plan.options.get("has_aux"):
             return None
         run = _tape_gradient(plan.problem, plan.operator.name, fallback=False)
-        return run if run.split.entries is not None else None
+        return run if getattr(run, "split").entries is not None else None
 
     # -- reverse mode ---------------------------------------------------------
 
@@ -555,7 +555,7 @@ class _FastSplit:
         # Without the fallback, any difference gives None: an unprepared call then makes a new
         # plan, whose checks (which backend, which framework) the generic split does not repeat.
         self.fallback = problem.split if fallback else lambda values, kinds: None
-        self.entries: tuple | None = None
+        self.entries: tuple[Any, ...] | None = None
         entries = []
         for position, (kind, roles, bare, bare_type) in enumerate(
             zip(problem.kinds, problem.roles, problem.bare, problem.bare_types)
@@ -575,12 +575,12 @@ class _FastSplit:
             entries.append((position, roles[0], kind == "active", bare_type, metas[0]))
         self.entries = tuple(entries)
 
-    def __call__(self, values: tuple) -> tuple[Flat, Flat] | None:
+    def __call__(self, values: tuple[Any, ...]) -> tuple[Flat, Flat] | None:
         problem = self.problem
         if self.entries is None:
             return self.fallback(values, problem.kinds)
-        xs: list = []
-        ctx: list = []
+        xs: list[Any] = []
+        ctx: list[Any] = []
         described = problem._described
         tensor_type = _torch().Tensor
         for position, role, active, bare_type, meta in self.entries:
@@ -620,7 +620,7 @@ def _usable(torch: Any) -> bool:
     return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not _inside_functorch()
 
 
-def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable:
+def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
     """A gradient straight on the tape, for one signature: ``run(f, values, seed_kwargs)``.
 
     The same steps as the generic gradient (check and split the arguments,
@@ -637,7 +637,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     value_wanted = op_name == "value_and_gradient"
     tensor_type = torch.Tensor
 
-    def gradient(f: Callable, values: tuple, seed_kwargs: dict) -> Any:
+    def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
         split = None if seed_kwargs or len(values) != n_args or not _usable(torch) else split_checked(values)
         if split is None:
             raise SignatureChanged
@@ -658,7 +658,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     return gradient
 
 
-def _tape_pullback(plan: Any) -> Callable:
+def _tape_pullback(plan: Any) -> Callable[..., Any]:
     """A prepared pullback of one cotangent straight on the tape (see `_tape_gradient`):
     one evaluation of f, one `torch.autograd.grad` with the cotangent, nothing kept."""
     torch = _torch()
@@ -674,7 +674,7 @@ def _tape_pullback(plan: Any) -> Callable:
         split = None if len(values) != n_args or not _usable(torch) else split_checked(values)
         if split is None:
             raise SignatureChanged
-        cotangent = seed_kwargs.get("cotangent")
+        cotangent: Any = seed_kwargs.get("cotangent")
         if len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
             seeds = Seeds((cotangent,), None, LEAF)  # what `encode_seeds` makes of one tensor, without a walk
         else:
@@ -701,7 +701,7 @@ def _tape_pullback(plan: Any) -> Callable:
     return pullback
 
 
-def _checked_pipeline(plan: Any) -> Callable:
+def _checked_pipeline(plan: Any) -> Callable[..., Any]:
     """Any other prepared operator: its pipeline, after the prepared checks of `_FastSplit`
     (what the prepared object's checked path does, without its general dispatch)."""
     problem, n_args, operator, backend = plan.problem, len(plan.problem.kinds), plan.operator, plan.backend
@@ -749,7 +749,7 @@ def _checked_pipeline(plan: Any) -> Callable:
     return call
 
 
-def _encoded_seeds(encode_seeds: Callable, operator: Any, problem: Any, seed_kwargs: dict) -> Any:
+def _encoded_seeds(encode_seeds: Callable[..., Any], operator: Any, problem: Any, seed_kwargs: dict[str, Any]) -> Any:
     """`encode_seeds`; a mistake in them is for the prepared object's checked path to explain."""
     try:
         return encode_seeds(operator, problem, seed_kwargs)

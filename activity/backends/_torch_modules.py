@@ -59,15 +59,15 @@ class ModuleDescription:
     # each module's __dict__: its size (a new instance attribute such as `forward`) and the
     # ids of the values a view redirects (an instance `forward` replaced by another).
     # Kept flat, so that the check is a few C-level passes (`still_describes`).
-    slot_dicts: tuple = ()
-    slot_sizes: tuple = ()
-    filled_dicts: tuple = ()  # the slot dicts that hold something
-    slot_objects: tuple = ()  # what they hold, in order
-    tensors: tuple = ()
-    tensor_metas: tuple = ()  # _TENSOR_META of each tensor
-    module_refs: tuple = ()  # weakref.ref to every visited module
-    state_sizes: tuple = ()  # len(module.__dict__) of each
-    watched: tuple = ()  # (index into module_refs, ((key, id(value)), ...)) where a view redirects keys
+    slot_dicts: tuple[Any, ...] = ()
+    slot_sizes: tuple[Any, ...] = ()
+    filled_dicts: tuple[Any, ...] = ()  # the slot dicts that hold something
+    slot_objects: tuple[Any, ...] = ()  # what they hold, in order
+    tensors: tuple[Any, ...] = ()
+    tensor_metas: tuple[Any, ...] = ()  # _TENSOR_META of each tensor
+    module_refs: tuple[Any, ...] = ()  # weakref.ref to every visited module
+    state_sizes: tuple[Any, ...] = ()  # len(module.__dict__) of each
+    watched: tuple[Any, ...] = ()  # (index into module_refs, ((key, id(value)), ...)) where a view redirects keys
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict = attrs.field(factory=dict)
     plans: dict = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
