@@ -208,26 +208,41 @@ is 10 to 20 %; on the first-order calls at width 8 (about 100 us) the rows move 
 while the prepared object accepts annotated arguments and explains a mismatch
 instead of recompiling silently.
 
-**PyTorch.** A prepared torch `gradient` runs on the autograd tape like the raw call,
-but first checks that the module is still the one prepared: every submodule, parameter
-and buffer slot holds the same object, and each tensor has the prepared shape, dtype,
-device and `requires_grad` (a new walk over the module is done only when that check
-fails); it then arranges the gradients in a dict keyed like `named_parameters()`. The
-raw call does none of this: it reuses a parameter list made once, so a layer replaced
-between calls, or a parameter frozen with `requires_grad_(False)`, silently gets a stale
-or wrong gradient. That check and the argument handling are a few tens of
-microseconds of Python per call: about 20 % of a width-8 MLP step (300 us), 10 % at
-width 256, 2 % at width 1024. They are the price of the strict contract of `prepare` (a change of layout raises
-`PreparationMismatchError`); the check was made cheap (no walk, no names, no layout
-tuples on the common path), not optional. Pullbacks and pushforwards on torch run
-through the generic pipeline, shared by every operator, and pay more.
+**PyTorch.** A prepared torch `gradient`, and a `pullback` of one cotangent, run straight
+on the autograd tape like the raw call; every other operator runs its pipeline, past the
+prepared object's general dispatch. Before `f` runs, the arguments are checked against
+the prepared signature by a split made once at `prepare` for that signature: a module by
+its description (every submodule, parameter and buffer slot holds the same object, each
+tensor has the prepared shape, dtype, device and `requires_grad`, no instance attribute
+was added or redirected: a few C-level passes, no walk, no names), a tensor by its type,
+shape, dtype and device, a pytree of tensors by its structure and then each leaf. A
+difference sends the call to the checked path, which describes the module again or says
+what changed. Then come fresh tape leaves (`detach()` views: a Constant or tied use of
+the same tensor is never differentiated), a view of the module (its submodule slots
+copied, so buffers, flags and `.grad` of the user's module never change), and the
+gradients arranged like `named_parameters()`. The raw call does none of this: it reuses a
+parameter list made once, so a layer replaced between calls, or a parameter frozen with
+`requires_grad_(False)`, silently gets a stale or wrong gradient. What remains is that
+work, a few microseconds per module and per tensor of Python: it weighs on the width-8
+MLP step and fades from width 256 on. Unprepared torch gradients keep the checked split of
+the last call of the same operator and argument kinds (dropped with the module), so a loop
+that does not prepare pays the same checks instead of a new plan per call. A
+Hessian-vector product of one tangent is a double backward on the tape, faster than
+`torch.func.jvp(torch.func.grad(f))` on every model here.
+
+**Equinox.** A prepared JAX call whose arguments hold static leaves (an Equinox module's
+activation functions) is one `jax.jit` over their array leaves: JAX flattens each
+argument, its structure and static leaves are compared with the prepared ones, the
+arrays go to the compiled code. That is what `eqx.filter_jit` does, with JAX's flatten
+instead of `eqx.partition`.
 
 **Jacobians and Hessians** are batched: reverse-mode Jacobians `vmap` over
 `torch.func.vjp` (as `torch.func.jacrev` does) or `jax.vjp`, forward-mode ones over
 `jvp`, Hessians are forward over reverse; no Python loop over columns. On torch the
-reverse-mode Jacobian still runs `f` forward twice (once on the tape, for the output
-shapes, once under `torch.func.vjp`) and goes through the generic pipeline: that,
-not the batched pullback, is its remaining 150 to 200 us. The torch
+reverse-mode Jacobian runs `f` once on the tape and pulls the output basis back with
+`vmap` over the backward pass, then runs one more backward pass, of a weighted sum of
+the basis, that checks torch's batching rules on this `f` (some are wrong in torch 2.13):
+that check is most of its remaining cost. The torch
 Hessian comes out faster than `torch.func.hessian` (`jacfwd(jacrev(f))`, a `vmap`
 nested in a `vmap`): `activity` pushes the basis through one `vmap` of a
 forward-over-reverse product of `torch.func.grad`. We measured this, not analysed it."""
