@@ -183,16 +183,21 @@ def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend 
     """An unprepared call: plan, then run; where the backend can reuse the work of the last
     call of the same signature (`Backend.reusable_call`), no plan is made."""
     kinds, values = parse_arguments(operator.name, f, args)
-    key = (operator.name, kinds, backend, tuple(options.items()))
-    reusable = _REUSABLE.get(key)
+    signature = (operator.name, kinds, backend, tuple(options.items()))
+    key: tuple[Any, ...] | None = signature
+    reusable: Callable[..., Any] | None
+    try:
+        reusable = _REUSABLE.get(signature)
+    except TypeError:  # a backend (or option) that cannot be hashed: no reuse
+        reusable, key = None, None
     if reusable is not None:
         try:
             return reusable(f, values, seed_kwargs)
         except SignatureChanged:
             pass
     plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
-    reusable = plan.backend.reusable_call(plan)
-    if reusable is not None:
+    reusable = None if key is None else plan.backend.reusable_call(plan)
+    if key is not None and reusable is not None:
         _keep(key, reusable, plan.problem)
         try:
             return reusable(f, values, seed_kwargs)
