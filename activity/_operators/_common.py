@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 import attrs
 
 from .. import _arrays as arrays
-from .._errors import UnsupportedError
-from .._problem import Problem, Traced, a, parse_arguments
+from .._errors import UnsupportedError, drop_jax_note
+from .._problem import Problem, Traced, a, describe_type, float_advice, parse_arguments
 from .._tree import flatten, leaf_paths
 from ..backends import Backend, resolve_backend
 from ..backends._base import SignatureChanged, stack_batch
@@ -89,7 +89,7 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     if not isinstance(batch, (list, tuple)) or len(batch) == 0:
         raise ValueError(
             f"activity.{operator.name}: {many}= must be a non-empty list of {one}s, got "
-            f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}."
+            f"{describe_type(batch)} of length {len(batch) if hasattr(batch, '__len__') else '?'}."
         )
     encoded = [encode(item, f"{many}[{b}]") for b, item in enumerate(batch)]
     specs = {spec for _, spec in encoded if spec is not None}
@@ -104,9 +104,10 @@ def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple, Any]:
         if not (arrays.is_array(leaf) or isinstance(leaf, float)) or arrays.dtype_kind(leaf) != "f":
             path = leaf_paths(tree)[index]
             dtype = f" of dtype {leaf.dtype}" if hasattr(leaf, "dtype") else ""
+            advice = float_advice(leaf)
             raise ValueError(
-                f"activity.{op_name}: {what}{path} is {a(type(leaf).__name__)}{dtype}; a cotangent holds float "
-                f"arrays shaped like f's output. Convert it, e.g. with .astype(float)."
+                f"activity.{op_name}: {what}{path} is {describe_type(leaf)}{dtype}; a cotangent holds float "
+                f"arrays shaped like f's output" + (f": {advice}." if advice else ".")
             )
     return tuple(leaves), spec
 
@@ -148,7 +149,8 @@ class Plan:
                 if role == "module" or (role == "diff" and arrays.shape(leaf) != ()):
                     raise ValueError(
                         f"activity.{self.operator.name} differentiates with respect to scalars, but Active "
-                        f"argument {position} holds {a(type(leaf).__name__)} of shape {arrays.shape(leaf)}. "
+                        f"argument {position} holds {describe_type(leaf)}"
+                        f"{'' if role == 'module' else f' of shape {arrays.shape(leaf)}'}. "
                         f"Use activity.jacobian or activity.pushforward for array inputs."
                     )
 
@@ -182,6 +184,17 @@ _REUSABLE: dict[tuple[Any, ...], Callable[..., Any]] = {}
 def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend | None, options: dict, seed_kwargs: dict) -> Any:
     """An unprepared call: plan, then run; where the backend can reuse the work of the last
     call of the same signature (`Backend.reusable_call`), no plan is made."""
+    try:
+        return _call(operator, f, args, backend, options, seed_kwargs)
+    except Exception as error:
+        drop_jax_note(error)
+        raise
+
+
+def _call(
+    operator: Operator, f: Callable[..., Any], args: Sequence[Any], backend: Backend | None,
+    options: dict[str, Any], seed_kwargs: dict[str, Any],
+) -> Any:
     kinds, values = parse_arguments(operator.name, f, args)
     signature = (operator.name, kinds, backend, tuple(options.items()))
     key: tuple[Any, ...] | None = signature
