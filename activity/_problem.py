@@ -376,6 +376,10 @@ class Problem:
         self.statics.append(tuple(statics))
         self.signature.append((kind, spec, tuple(metas)))
 
+    def modules(self) -> list[Any]:
+        """The torch modules of the arguments, as last described."""
+        return [module for module in (d.module for d in self._described.values()) if module is not None]
+
     # --------------------------------------------------------------- per call
 
     @overload
@@ -541,6 +545,8 @@ class Problem:
     def output_leaves(self, out: Any, scalar: bool, has_aux: bool = False) -> tuple[tuple[Any, ...], Any]:
         """The array leaves of f's output ``out`` (a float becomes an array) and its structure, checked
         (``has_aux``: ``out`` is the output part of f's ``(output, aux)``)."""
+        if arrays.is_torch(out) and out.dtype.is_floating_point and not (scalar and out.dim()):
+            return (out,), LEAF  # the usual torch output: nothing to check or convert
         if arrays.is_array(out):  # the usual output, without a tree walk
             ys, spec = [out], LEAF
         else:

@@ -93,10 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     closure = _closure.run(batches=sizes.closure_batches, repeats=sizes.closure_repeats)
     print(f"{time.perf_counter() - start:6.1f}s  closure vs Constant: {closure.speedup:.1f}x "
           f"({closure.closure_traces} vs {closure.constant_traces} traces)", flush=True)
+    from ._cases_torch import memory_case
+
+    memory = _report.Memory(max(sizes.mlp_widths), *memory_case(max(sizes.mlp_widths)))
+    print(f"{time.perf_counter() - start:6.1f}s  memory saved for backward, MLP width {memory.width}: "
+          f"ratio {memory.ratio:.3f}", flush=True)
 
     seconds = time.perf_counter() - start
     text = _report.markdown(measurements, closure, _report.environment(), seconds=seconds,
-                            rounds=sizes.rounds, round_s=sizes.round_s, closure_repeats=sizes.closure_repeats, quick=args.quick)
+                            rounds=sizes.rounds, round_s=sizes.round_s, closure_repeats=sizes.closure_repeats, quick=args.quick,
+                            memory=memory)
     plot = _report.write(text, measurements, args.output)
     print()
     print(_report.measurement_table(measurements))
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_report.closure_table(closure))
     print()
     print(_report._table(["target", "limit", "measured", "cases within", "status"],
-                         _report.target_rows(measurements, closure)))
+                         _report.target_rows(measurements, closure, memory)))
     print(f"\nwrote {args.output} and {plot} in {seconds:.0f} s")
     return 0
 

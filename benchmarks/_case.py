@@ -28,6 +28,7 @@ class Case:
     ``size`` is the x coordinate of the plot (parameter count for networks,
     input length for functions of a vector); ``size_label`` says what it is.
     ``target`` is the largest acceptable ratio ours / raw, or None.
+    The ``name`` includes ``raw_name``: one operator may be timed against two raw calls.
     """
 
     framework: str
@@ -42,10 +43,12 @@ class Case:
     target: float | None = None
     rtol: float = 1e-4
     atol: float = 1e-5
+    raw_name: str | None = None  # what the raw call is, where the family's usual raw call is not it
 
     @property
     def name(self) -> str:
-        return f"{self.framework} {self.operator} {self.family} {self.model} {self.size_label}"
+        against = f" vs {self.raw_name}" if self.raw_name else ""
+        return f"{self.framework} {self.operator} {self.family} {self.model} {self.size_label}{against}"
 
     def check(self) -> int:
         """Raise AssertionError unless ours equals the raw result; returns the leaves compared."""
@@ -56,3 +59,8 @@ class Case:
 # compiled call costs; dense jacobians and hessians may pay a little for arranging blocks.
 FIRST_ORDER_TARGET = 1.05
 DENSE_TARGET = 1.2
+# A Hessian-vector product should cost no more than the faster of the two hand-written ones
+# (forward over reverse, double backward): each is a case of its own with this target.
+HVP_TARGET = 1.0
+# Equinox modules prepared as Active(module) against eqx.filter_jit(eqx.filter_grad(loss)).
+EQUINOX_TARGET = 1.02

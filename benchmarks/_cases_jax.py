@@ -17,7 +17,7 @@ import numpy as np
 import activity as ad
 from activity import Active, Constant
 
-from ._case import DENSE_TARGET, FIRST_ORDER_TARGET, PREPARED, SCALING, UNPREPARED, Case
+from ._case import DENSE_TARGET, EQUINOX_TARGET, FIRST_ORDER_TARGET, PREPARED, SCALING, UNPREPARED, Case
 
 FRAMEWORK = "jax"
 BATCH = 32
@@ -166,6 +166,7 @@ def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case
         ))
 
     if networks:
+        cases += equinox_cases(((1, 16), (8, 16), (8, 256)) if max(mlp_widths) > 16 else ((1, 4), (2, 4)))
         images = _normal(np.random.default_rng(1), BATCH, 1, 16, 16)
         cases.append(_gradient_case("CNN", mse(cnn), cnn_params(), images, "16x16 images"))
         sequences = _normal(np.random.default_rng(1), LSTM_STEPS, BATCH, LSTM_INPUT)
@@ -195,6 +196,33 @@ def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case
             FRAMEWORK, "hvp", PREPARED, "sum tanh(A v)^2", n, label,
             raw=_blocked(raw_hvp, v, a, t),
             ours=_blocked(hvp, v, a, tangent=t),
+        ))
+    return cases
+
+
+def equinox_cases(shapes) -> list[Case]:
+    """``Active(eqx.nn.MLP)`` prepared against ``eqx.filter_jit(eqx.filter_grad(loss))``, for
+    (depth, width) in ``shapes``; nothing where Equinox is not installed."""
+    try:
+        import equinox as eqx
+    except ImportError:
+        return []
+
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    raw_gradient = eqx.filter_jit(eqx.filter_grad(loss))
+    cases = []
+    for depth, width in shapes:
+        model = eqx.nn.MLP(width, 1, width, depth, key=jax.random.PRNGKey(0))
+        x = mlp_data(width)
+        prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+        cases.append(Case(
+            FRAMEWORK, "gradient", PREPARED, "Equinox MLP", parameter_count(eqx.filter(model, eqx.is_array)),
+            f"depth {depth}, width {width}",
+            raw=_blocked(raw_gradient, model, x),
+            ours=_blocked(prepared, model, x),
+            target=EQUINOX_TARGET, raw_name="`eqx.filter_jit(eqx.filter_grad(f))`",
         ))
     return cases
 

@@ -38,6 +38,20 @@ class Measurement:
         return self.ratio is not None and self.ratio <= self.case.target
 
 
+@attrs.frozen
+class Memory:
+    """Bytes autograd saves for the backward pass of the prepared gradient and of the raw call."""
+
+    width: int
+    raw_bytes: int
+    ours_bytes: int
+    target: float = 1.05
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_bytes / self.raw_bytes
+
+
 def environment() -> dict[str, str]:
     import jax
     import numpy
@@ -99,6 +113,8 @@ RAW_NAMES = {
 
 
 def _raw_name(case: Case) -> str:
+    if case.raw_name:
+        return case.raw_name
     family = UNPREPARED if case.family == UNPREPARED else PREPARED  # scaling times the prepared call
     return RAW_NAMES.get((case.framework, case.operator, family), "")
 
@@ -118,14 +134,20 @@ def measurement_table(measurements: list[Measurement], *, targets: bool = True) 
     return _table(header, rows)
 
 
-def target_rows(measurements: list[Measurement], closure: ClosureResult | None) -> list[list[str]]:
+def target_rows(
+    measurements: list[Measurement], closure: ClosureResult | None, memory: Memory | None = None
+) -> list[list[str]]:
     """One row per (framework, operator) with a target: its worst ratio over every size and model."""
-    groups: dict[tuple[str, str], list[Measurement]] = defaultdict(list)
+    groups: dict[tuple[str, str, float], list[Measurement]] = defaultdict(list)
     for m in measurements:
         if m.case.target is not None and m.case.family in (PREPARED, SCALING):
-            groups[(m.case.framework, m.case.operator)].append(m)
+            groups[(m.case.framework, m.case.operator, m.case.target)].append(m)
+    # An operator with cases of two targets (Equinox gradients) gets a row per target, naming its models.
+    targets_of = defaultdict(set)
+    for framework, operator, target in groups:
+        targets_of[(framework, operator)].add(target)
     rows = []
-    for (framework, operator), group in groups.items():
+    for (framework, operator, target), group in groups.items():
         errors = [m for m in group if m.timing is None]
         timed = [m for m in group if m.timing is not None]
         worst = max(timed, key=lambda m: m.ratio, default=None)
@@ -133,14 +155,22 @@ def target_rows(measurements: list[Measurement], closure: ClosureResult | None) 
         measured = "errors" if worst is None else f"worst {worst.ratio:.3f} ({worst.case.model}, {worst.case.size_label})"
         if errors and worst is not None:
             measured += f"; {len(errors)} case(s) failed to run"
+        models = ""
+        if len(targets_of[(framework, operator)]) > 1:
+            models = " (" + ", ".join(dict.fromkeys(m.case.model for m in group)) + ")"
         rows.append([
-            f"prepared {framework} {operator}, every size", f"ratio <= {group[0].case.target:g}", measured,
+            f"prepared {framework} {operator}{models}, every size", f"ratio <= {target:g}", measured,
             f"{len(group) - len(failing)} of {len(group)}", _verdict(not failing),
         ])
     if closure is not None:
         rows.append([
             f"closure vs Constant, {closure.batches} batches", f"speedup >= {CLOSURE_TARGET:g}x",
             f"{closure.speedup:.1f}x", "", _verdict(closure.speedup >= CLOSURE_TARGET),
+        ])
+    if memory is not None:
+        rows.append([
+            f"torch prepared gradient, memory saved for backward, MLP width {memory.width}",
+            f"ratio <= {memory.target:g}", f"{memory.ratio:.3f}", "", _verdict(memory.ratio <= memory.target),
         ])
     return rows
 
@@ -178,26 +208,41 @@ is 10 to 20 %; on the first-order calls at width 8 (about 100 us) the rows move 
 while the prepared object accepts annotated arguments and explains a mismatch
 instead of recompiling silently.
 
-**PyTorch.** A prepared torch `gradient` runs on the autograd tape like the raw call,
-but first checks that the module is still the one prepared: every submodule, parameter
-and buffer slot holds the same object, and each tensor has the prepared shape, dtype,
-device and `requires_grad` (a new walk over the module is done only when that check
-fails); it then arranges the gradients in a dict keyed like `named_parameters()`. The
-raw call does none of this: it reuses a parameter list made once, so a layer replaced
-between calls, or a parameter frozen with `requires_grad_(False)`, silently gets a stale
-or wrong gradient. That check and the argument handling are a few tens of
-microseconds of Python per call: about 20 % of a width-8 MLP step (300 us), 10 % at
-width 256, 2 % at width 1024. They are the price of the strict contract of `prepare` (a change of layout raises
-`PreparationMismatchError`); the check was made cheap (no walk, no names, no layout
-tuples on the common path), not optional. Pullbacks and pushforwards on torch run
-through the generic pipeline, shared by every operator, and pay more.
+**PyTorch.** A prepared torch `gradient`, and a `pullback` of one cotangent, run straight
+on the autograd tape like the raw call; every other operator runs its pipeline, past the
+prepared object's general dispatch. Before `f` runs, the arguments are checked against
+the prepared signature by a split made once at `prepare` for that signature: a module by
+its description (every submodule, parameter and buffer slot holds the same object, each
+tensor has the prepared shape, dtype, device and `requires_grad`, no instance attribute
+was added or redirected: a few C-level passes, no walk, no names), a tensor by its type,
+shape, dtype and device, a pytree of tensors by its structure and then each leaf. A
+difference sends the call to the checked path, which describes the module again or says
+what changed. Then come fresh tape leaves (`detach()` views: a Constant or tied use of
+the same tensor is never differentiated), a view of the module (its submodule slots
+copied, so buffers, flags and `.grad` of the user's module never change), and the
+gradients arranged like `named_parameters()`. The raw call does none of this: it reuses a
+parameter list made once, so a layer replaced between calls, or a parameter frozen with
+`requires_grad_(False)`, silently gets a stale or wrong gradient. What remains is that
+work, a few microseconds per module and per tensor of Python: it weighs on the width-8
+MLP step and fades from width 256 on. Unprepared torch gradients keep the checked split of
+the last call of the same operator and argument kinds (dropped with the module), so a loop
+that does not prepare pays the same checks instead of a new plan per call. A
+Hessian-vector product of one tangent is a double backward on the tape, faster than
+`torch.func.jvp(torch.func.grad(f))` on every model here.
+
+**Equinox.** A prepared JAX call whose arguments hold static leaves (an Equinox module's
+activation functions) is one `jax.jit` over their array leaves: JAX flattens each
+argument, its structure and static leaves are compared with the prepared ones, the
+arrays go to the compiled code. That is what `eqx.filter_jit` does, with JAX's flatten
+instead of `eqx.partition`.
 
 **Jacobians and Hessians** are batched: reverse-mode Jacobians `vmap` over
 `torch.func.vjp` (as `torch.func.jacrev` does) or `jax.vjp`, forward-mode ones over
 `jvp`, Hessians are forward over reverse; no Python loop over columns. On torch the
-reverse-mode Jacobian still runs `f` forward twice (once on the tape, for the output
-shapes, once under `torch.func.vjp`) and goes through the generic pipeline: that,
-not the batched pullback, is its remaining 150 to 200 us. The torch
+reverse-mode Jacobian runs `f` once on the tape and pulls the output basis back with
+`vmap` over the backward pass, then runs one more backward pass, of a weighted sum of
+the basis, that checks torch's batching rules on this `f` (some are wrong in torch 2.13):
+that check is most of its remaining cost. The torch
 Hessian comes out faster than `torch.func.hessian` (`jacfwd(jacrev(f))`, a `vmap`
 nested in a `vmap`): `activity` pushes the basis through one `vmap` of a
 forward-over-reverse product of `torch.func.grad`. We measured this, not analysed it."""
@@ -235,41 +280,43 @@ def write_plot(measurements: list[Measurement], path: Path) -> None:
         ("prepared, first order, MLPs", "MLP parameters",
          lambda c: c.family == PREPARED and c.operator in FIRST_ORDER and c.model.startswith("MLP")),
         ("prepared, second order and dense, f(v)", "input length n",
-         lambda c: c.family == PREPARED and c.operator not in FIRST_ORDER),
+         lambda c: c.family == PREPARED and c.operator not in FIRST_ORDER and c.size_label.startswith("n ")),
         ("unprepared, against the raw eager call", "MLP parameters", lambda c: c.family == UNPREPARED),
         ("prepared gradient, scaling", "MLP parameters", lambda c: c.family == SCALING),
     ]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    for ax, (title, xlabel, selected) in zip(axes.flat, panels):
-        lines: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-        for m in measurements:
-            if selected(m.case) and m.ratio is not None:
-                lines[(m.case.framework, m.case.operator)].append((m.case.size, m.ratio))
-        for (framework, operator), points in sorted(lines.items()):
-            points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                    color=OPERATOR_COLOURS.get(operator), linestyle=FRAMEWORK_STYLES.get(framework, ":"),
-                    label=f"{framework} {operator}")
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.axhline(1.05, color="grey", linewidth=0.8, linestyle=":")
-        ax.set_xscale("log")
-        # Log ratios: a 20x outlier must not flatten the differences of a few percent.
-        ax.set_yscale("log")
-        low, high = ax.get_ylim()
-        ticks = RATIO_TICKS if high / low < 4 else COARSE_RATIO_TICKS  # fine ticks would overlap
-        ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([t for t in ticks if low <= t <= high]))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(title)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("time ratio activity / raw")
-        if lines:
-            ax.legend(fontsize=8)
-    fig.suptitle("activity / raw (1.0: no overhead; dotted: 1.05). Solid: JAX, dashed: PyTorch. CNN and LSTM: tables only.")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    with plt.rc_context({"font.size": 13, "axes.titlesize": 14, "axes.labelsize": 13, "legend.fontsize": 11}):
+        fig, axes = plt.subplots(2, 2, figsize=(15, 11))
+        for ax, (title, xlabel, selected) in zip(axes.flat, panels):
+            lines: dict[tuple[str, str, str], list[tuple[int, float]]] = defaultdict(list)
+            for m in measurements:
+                if selected(m.case) and m.ratio is not None:
+                    lines[(m.case.framework, m.case.operator, m.case.raw_name or "")].append((m.case.size, m.ratio))
+            for (framework, operator, raw_name), points in sorted(lines.items()):
+                points.sort()
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="s" if raw_name else "o",
+                        color=OPERATOR_COLOURS.get(operator), linestyle=FRAMEWORK_STYLES.get(framework, ":"),
+                        label=f"{framework} {operator}" + (" vs double backward" if "double backward" in raw_name else ""))
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.axhline(1.05, color="grey", linewidth=0.8, linestyle=":")
+            ax.set_xscale("log")
+            # Log ratios: a 20x outlier must not flatten the differences of a few percent.
+            ax.set_yscale("log")
+            low, high = ax.get_ylim()
+            ticks = RATIO_TICKS if high / low < 4 else COARSE_RATIO_TICKS  # fine ticks would overlap
+            ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator([t for t in ticks if low <= t <= high]))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.set_title(title)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("time ratio activity / raw")
+            if lines:
+                ax.legend()
+        fig.suptitle("activity / raw (1.0: no overhead; dotted: 1.05). Solid: JAX, dashed: PyTorch.\n"
+                     "CNN, LSTM, ResNet block, Hugging Face and Equinox models: tables only.")
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
 
 
 def markdown(
@@ -282,6 +329,7 @@ def markdown(
     quick: bool,
     round_s: float = 0.02,
     closure_repeats: int = 1,
+    memory: Memory | None = None,
 ) -> str:
     by_family = lambda family: [m for m in measurements if m.case.family == family]  # noqa: E731
     prepared = by_family(PREPARED)
@@ -311,7 +359,7 @@ def markdown(
         "100 us moves by a few percent from one run to the next, so a verdict at 1.05 on "
         "the smallest sizes can flip between runs; the *extra* column is steadier.",
         "## Targets",
-        _table(["target", "limit", "measured", "cases within", "status"], target_rows(measurements, closure)),
+        _table(["target", "limit", "measured", "cases within", "status"], target_rows(measurements, closure, memory)),
         "First-order prepared calls should cost what the raw compiled call costs (ratio <= 1.05); "
         "dense jacobians and hessians may pay a little more (<= 1.2). A target is *met* only "
         "when every size meets it; a case that failed to run does not meet it.",
@@ -351,6 +399,17 @@ def markdown(
     from . import _cases_mixing
 
     sections += [_cases_mixing.SECTION, measurement_table(by_family(_cases_mixing.MIXING))]
+    if memory is not None:
+        sections += [
+            "## Memory",
+            f"What autograd saves for the backward pass (each storage once, counted with "
+            f"`torch.autograd.graph.saved_tensors_hooks`) during one prepared gradient of the MLP of "
+            f"width {memory.width} and during the raw `torch.autograd.grad`: the memory the tape holds at "
+            "its peak, the end of the forward pass. The differentiated leaves are views of the "
+            "parameters (`detach()`), so nothing is copied.",
+            _table(["", "bytes"], [["raw", f"{memory.raw_bytes:,}"], ["activity", f"{memory.ours_bytes:,}"],
+                                   ["ratio", f"{memory.ratio:.3f}"]]),
+        ]
     sections += [
         "## Scaling with the number of parameters",
         "The prepared gradient against the raw compiled call (`jax.jit(jax.grad(f))`, "

@@ -37,6 +37,12 @@ def test_cases_cover_every_operator_framework_and_family(cases):
         assert (framework, "pullback", UNPREPARED) in kinds
         assert (framework, "gradient", SCALING) in kinds
         assert {c.model for c in cases if c.framework == framework} >= {"MLP", "CNN", "LSTM"}
+    assert {c.model for c in cases if c.framework == "jax"} >= {"Equinox MLP"}
+    assert {c.model for c in cases if c.framework == "torch"} >= {
+        "ResNet block (BatchNorm, train)", "GPT-2 (tiny, HF)", "LLaMA (tiny, HF)"}
+    # hvp against both hand-written products, on the MLPs, f(v) and GPT-2
+    double_backward = {c.model for c in cases if c.operator == "hvp" and c.raw_name and "double backward" in c.raw_name}
+    assert double_backward >= {"MLP", "sum tanh(A v)^2", "GPT-2 (tiny, HF)"}
 
 
 def test_every_case_returns_what_its_raw_call_returns(cases):
@@ -69,6 +75,39 @@ def test_closure_run_reports_the_counts():
     result = _closure.run(width=4, batches=4, repeats=1)
     assert (result.batches, result.closure_traces, result.constant_traces) == (4, 4, 1)
     assert result.speedup == result.closure_s / result.constant_s
+
+
+def test_saved_bytes_counts_what_the_tape_saves_once_per_storage():
+    import torch
+
+    from benchmarks._cases_torch import memory_case, saved_bytes
+
+    w = torch.ones(10, requires_grad=True)
+    assert saved_bytes(lambda: torch.tanh(w)) == 10 * 4  # tanh saves its float32 output
+    assert saved_bytes(lambda: torch.tanh(w) + torch.tanh(w)) == 2 * 10 * 4  # two outputs, two storages
+    assert saved_bytes(lambda: w * w) == 10 * 4  # w saved twice, one storage
+    raw, ours = memory_case(4)
+    assert raw > 0 and ours > 0
+
+
+def test_report_shows_the_memory_ratio_and_its_target():
+    memory = _report.Memory(1024, raw_bytes=1000, ours_bytes=1100)
+    rows = _report.target_rows([], None, memory)
+    assert rows == [["torch prepared gradient, memory saved for backward, MLP width 1024", "ratio <= 1.05",
+                     "1.100", "", "**not met**"]]
+    text = _report.markdown([], None, {}, seconds=1, rounds=1, quick=True, memory=memory)
+    assert "## Memory" in text and "| ratio | 1.100 |" in text
+
+
+def test_an_operator_with_two_targets_gets_a_row_per_target_naming_its_models():
+    timing = Timing(100e-6, 101e-6, 1, (100e-6,), (101e-6,))
+    plain = _fake_case("jax", "gradient", PREPARED, 10, 1.05)
+    equinox = attrs.evolve(_fake_case("jax", "gradient", PREPARED, 10, 1.02), model="Equinox MLP")
+    rows = _report.target_rows([_report.Measurement(plain, timing), _report.Measurement(equinox, timing)], None)
+    assert [row[:2] for row in rows] == [
+        ["prepared jax gradient (MLP), every size", "ratio <= 1.05"],
+        ["prepared jax gradient (Equinox MLP), every size", "ratio <= 1.02"],
+    ]
 
 
 class FakeClock:

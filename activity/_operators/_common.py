@@ -7,6 +7,7 @@ the backend may compile as a whole when the operator is prepared.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -16,7 +17,7 @@ from .._errors import UnsupportedError, drop_jax_note
 from .._problem import Problem, Traced, a, describe_type, float_advice, parse_arguments
 from .._tree import flatten, leaf_paths
 from ..backends import Backend, resolve_backend
-from ..backends._base import stack_batch
+from ..backends._base import SignatureChanged, stack_batch
 
 
 @attrs.frozen
@@ -189,15 +190,66 @@ class Plan:
             return self.backend.finalize(self.pipeline(xs, ctx, extra), self.problem)
 
 
+# (operator, kinds, backend, options) -> a backend's `reusable_call` for the latest signature.
+_REUSABLE: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
 def call(operator: Operator, f: Callable[..., Any], args: Sequence[Any], backend: Backend | None, options: dict[Any, Any], seed_kwargs: dict[Any, Any]) -> Any:
-    """An unprepared call: plan, then run."""
+    """An unprepared call: plan, then run; where the backend can reuse the work of the last
+    call of the same signature (`Backend.reusable_call`), no plan is made."""
     try:
-        kinds, values = parse_arguments(operator.name, f, args)
-        plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
-        return plan.run(values, plan.seeds)
+        return _call(operator, f, args, backend, options, seed_kwargs)
     except Exception as error:
         drop_jax_note(error)
         raise
+
+
+def _call(
+    operator: Operator, f: Callable[..., Any], args: Sequence[Any], backend: Backend | None,
+    options: dict[str, Any], seed_kwargs: dict[str, Any],
+) -> Any:
+    kinds, values = parse_arguments(operator.name, f, args)
+    signature = (operator.name, kinds, backend, tuple(options.items()))
+    key: tuple[Any, ...] | None = signature
+    reusable: Callable[..., Any] | None
+    try:
+        reusable = _REUSABLE.get(signature)
+    except TypeError:  # a backend (or option) that cannot be hashed: no reuse
+        reusable, key = None, None
+    if reusable is not None:
+        try:
+            return reusable(f, values, seed_kwargs)
+        except SignatureChanged:
+            pass
+    plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
+    reusable = None if key is None else plan.backend.reusable_call(plan)
+    if key is not None and reusable is not None:
+        _keep(key, reusable, plan.problem)
+        try:
+            return reusable(f, values, seed_kwargs)
+        except SignatureChanged:
+            pass
+    return plan.run(values, plan.seeds)
+
+
+_KEYS_OF_MODULE: dict[int, set[tuple[Any, ...]]] = {}  # id(module) -> the keys of `_REUSABLE` made with it
+
+
+def _keep(key: tuple[Any, ...], reusable: Callable[..., Any], problem: Problem) -> None:
+    """Keep ``reusable`` for ``key`` while the modules it describes live (it holds their
+    parameters): each module's death drops every entry made with it."""
+    _REUSABLE[key] = reusable
+    for module in problem.modules():
+        keys = _KEYS_OF_MODULE.get(id(module))
+        if keys is None:
+            keys = _KEYS_OF_MODULE[id(module)] = set()
+            weakref.finalize(module, _forget, id(module))
+        keys.add(key)
+
+
+def _forget(module_id: int) -> None:
+    for key in _KEYS_OF_MODULE.pop(module_id, ()):
+        _REUSABLE.pop(key, None)
 
 
 # ------------------------------------------------------------------ pipeline helpers

@@ -21,7 +21,7 @@ def _build(
     def pipeline(xs: tuple[Any, ...], ctx: tuple[Any, ...], cts: Any) -> Any:
         xs, traced, F = start(problem, f, backend, xs, ctx)
         ys, _, pull = backend.vjp(F, xs)
-        cts = _checked(problem, traced, seeds, cts, ys)
+        cts = checked_cotangents(problem, traced, seeds, cts, ys)
         grads = pull(cts, batched)
         result = per_seed(seeds, lambda b: problem.like_active(grads if b is None else [g[b] for g in grads]))
         return (traced.output(ys), result) if value else result
@@ -29,7 +29,7 @@ def _build(
     return pipeline
 
 
-def _checked(problem: Problem, traced: Traced, seeds: Seeds, cts: Any, ys: tuple[Any, ...]) -> tuple[Any, ...]:
+def checked_cotangents(problem: Any, traced: Any, seeds: Any, cts: tuple[Any, ...], ys: tuple[Any, ...]) -> tuple[Any, ...]:
     what = "cotangent" if seeds.batch is None else "cotangents[i]"
     if seeds.spec != traced.out_spec:
         raise ValueError(

@@ -148,6 +148,14 @@ class Backend:
         return None
 
 
+    def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
+        """For unprepared calls: ``run(f, values, seed_kwargs)`` computing ``plan``'s operator for
+        any later call of the same signature, or None. It raises `SignatureChanged` before
+        running ``f`` on a call of another signature (a new plan is then made). It must not
+        keep ``f`` or any value of the call alive, and must check the signature as cheaply as
+        it can: it replaces building a plan on every unprepared call."""
+        return None
+
     # -- differentiation primitives -------------------------------------------
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 import sys
 import threading
 import types
@@ -122,6 +123,10 @@ class AutoJAX(Backend):
         # traced once more into the same jitted function, from its own plan.
         # ``values`` may be placeholders: then it is compiled without running.
         _warn_of_stale_statics(plan, values)
+        if type(self) is AutoJAX and not plan.problem.arrays_only:
+            compiled = _jit_with_statics(plan, values, seed_kwargs, retrace)
+            if compiled is not None:
+                return compiled
         if type(self) is not AutoJAX or not plan.problem.arrays_only:
             # A non-array leaf (a model's activation function, a Python number) cannot be a
             # `jax.jit` argument, and a subclass may change any step: these calls take the
@@ -175,6 +180,82 @@ def _sealed_jit(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any],
         return None
     sealed = True
     return jitted, rebuilt.get("first", True)
+
+
+def _jit_with_statics(
+    plan: Any, values: tuple[Any, ...], seed_kwargs: dict[str, Any], retrace: Callable[..., Any] | None
+) -> CompiledCall | None:
+    """The whole call jitted over the array leaves of arguments that also hold static leaves
+    (an Equinox module's activation function, a Python number), as ``eqx.filter_jit`` does:
+    per call, JAX's own flatten of each argument, its structure and static leaves compared
+    with the prepared ones, the rest passed to `jax.jit`. None where JAX's flatten does not
+    give the leaves activity's does, in the same order (the generic path then runs)."""
+    from .._problem import _same_meta
+
+    jax, problem = _jax(), plan.problem
+    # strict=False: a new static value is a new plan on the checked path, which keeps its
+    # plans most recently used first; calls served here would not count as uses.
+    if retrace is not None or problem.adapted or "module" in {role for roles in problem.roles for role in roles}:
+        return None
+    layouts = []
+    for position, value in enumerate(values):
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        ours, _ = flatten(value)
+        roles = problem.roles[position]
+        if len(leaves) != len(ours) or len(leaves) != len(roles) or not all(map(operator.is_, leaves, ours)):
+            return None
+        statics = tuple((i, ("static", static)) for i, (role, static) in enumerate(zip(roles, problem.statics[position])) if role == STATIC)
+        layouts.append((treedef, statics, tuple(i for i, role in enumerate(roles) if role != STATIC)))
+    layouts_ = tuple(layouts)
+    call_direct, same_signature = plan.direct(), _same_signature(plan)
+    sealed = False
+
+    def rebuilt_values(dynamic: tuple[Any, ...]) -> tuple[Any, ...]:
+        rebuilt = []
+        for (treedef, statics, dynamic_index), leaves in zip(layouts_, dynamic):
+            filled: list[Any] = [None] * (len(statics) + len(dynamic_index))
+            for i, (_, static) in statics:
+                filled[i] = static
+            for i, leaf in zip(dynamic_index, leaves):
+                filled[i] = leaf
+            rebuilt.append(treedef.unflatten(filled))
+        return tuple(rebuilt)
+
+    def whole(dynamic: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
+        values = rebuilt_values(dynamic)
+        if not sealed:
+            return call_direct(values, seed_kwargs)
+        if not same_signature(values, seed_kwargs):
+            raise SignatureChanged
+        return call_direct(values, seed_kwargs)
+
+    def dynamic_leaves(values: tuple[Any, ...]) -> tuple[Any, ...]:
+        if len(values) != len(layouts_):
+            raise SignatureChanged
+        dynamic = []
+        for value, (treedef, statics, dynamic_index) in zip(values, layouts_):
+            leaves, got = jax.tree_util.tree_flatten(value)
+            if got != treedef:
+                raise SignatureChanged
+            for i, expected in statics:
+                if not _same_meta(expected, ("static", leaves[i])):
+                    raise SignatureChanged
+            dynamic.append([leaves[i] for i in dynamic_index])
+        return tuple(dynamic)
+
+    output: dict[str, Any] = {}
+    jitted = jax.jit(_with_static_output(whole, output))
+    try:
+        jitted.lower(dynamic_leaves(values), seed_kwargs).compile()
+    except Exception:  # noqa: BLE001 - the generic path runs the call and reports any error
+        return None
+    sealed = True
+
+    def call(*values: Any, **seed_kwargs: Any) -> Any:
+        return _rebuilt(jitted(dynamic_leaves(values), seed_kwargs))
+
+    call.jitted = jitted  # type: ignore[attr-defined]  # for inspection, as `compile`'s
+    return CompiledCall(call, _MISSES)
 
 
 def _same_signature(plan: Any) -> Callable[[tuple[Any, ...], dict[Any, Any]], bool]:

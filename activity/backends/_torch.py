@@ -19,6 +19,7 @@ and ``.grad`` of the user's module never change.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import warnings
@@ -29,7 +30,8 @@ import attrs
 from .. import _arrays as arrays
 from .._errors import add_note
 from .._imports import optional, require
-from .._tree import flatten, unflatten
+from .._problem import Traced
+from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 from ._torch_modules import ModuleDescription, bound_view, described
 
@@ -212,9 +214,22 @@ class AutoTorch(Backend):
         # A subclass may change any step; it gets the generic path, which runs each of its hooks.
         if type(self) is not AutoTorch:
             return None
-        if plan.operator.name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
-            return CompiledCall(_tape_gradient(plan))
-        return None
+        name, single = plan.operator.name, plan.seeds is None or plan.seeds.batch is None
+        if name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
+            run, f = _tape_gradient(plan.problem, name), plan.f
+            return CompiledCall(lambda *values, **seed_kwargs: run(f, values, seed_kwargs))
+        if name in ("pullback", "value_and_pullback") and single:
+            return CompiledCall(_tape_pullback(plan))
+        return CompiledCall(_checked_pipeline(plan))
+
+    def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
+        # Only signatures of lone tensors and modules: the call holds no static value of the user's.
+        if type(self) is not AutoTorch or plan.operator.name not in ("gradient", "value_and_gradient"):
+            return None
+        if plan.options.get("has_aux"):
+            return None
+        run = _tape_gradient(plan.problem, plan.operator.name, fallback=False)
+        return run if getattr(run, "split").entries is not None else None
 
     # -- reverse mode ---------------------------------------------------------
 
@@ -379,10 +394,9 @@ def _agrees_with_one(batch: Flat, cts: Flat, one: Callable[[Flat], Flat]) -> boo
     size = arrays.shape(cts[0])[0]
     if size < 2:
         return True
-    weights = torch.linspace(1.0, 2.0, size, dtype=torch.float64) * torch.tensor([(-1.0) ** b for b in range(size)], dtype=torch.float64)
 
     def combine(leaf: Any) -> Any:
-        w = weights.to(device=leaf.device, dtype=leaf.dtype).reshape((size,) + (1,) * (leaf.dim() - 1))
+        w = _probe_weights(size, leaf.dtype, leaf.device).reshape((size,) + (1,) * (leaf.dim() - 1))
         return (w * leaf).sum(0)
 
     expected = one(tuple(combine(c) for c in cts))
@@ -404,6 +418,14 @@ def _agrees_with_one(batch: Flat, cts: Flat, one: Callable[[Flat], Flat]) -> boo
             )
             return False
     return True
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_weights(size: int, dtype: Any, device: Any) -> Any:
+    """The weights of `_agrees_with_one`'s sum: alternating signs, magnitudes from 1 to 2 (made once)."""
+    torch = _torch()
+    signs = torch.tensor([(-1.0) ** b for b in range(size)], dtype=torch.float64)
+    return (torch.linspace(1.0, 2.0, size, dtype=torch.float64) * signs).to(device=device, dtype=dtype)
 
 
 def _func_vjp(F: FlatFunction, xs: Flat, backend: AutoTorch) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
@@ -515,9 +537,9 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
 
     def one(tangent: Flat) -> Flat:
         hvps = (None,) * len(xs)
-        if live:
+        if live:  # the graph is kept for the rows of a batch only
             hvps = torch.autograd.grad(
-                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=True, allow_unused=True
+                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=batched, allow_unused=True
             )
         return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
 
@@ -526,29 +548,110 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
 
-def _tape_gradient(plan: Any) -> Callable[..., Any]:
-    """A prepared gradient straight on the tape, for the prepared signature.
+class _FastSplit:
+    """`Problem.split` with the prepared checks, specialised once at prepare for a signature
+    of modules, tensors and pytrees of tensors (the usual ``Active(model), Constant(x)``):
+    a module is checked by its description's `still_describes` (no walk), a tensor by its
+    type, shape, dtype and device, a pytree by its structure and then each tensor. Any
+    difference, or another kind of signature (static or Cache leaves), goes to the generic
+    `Problem.split`, which says what differs or describes a changed module again.
+    """
+
+    def __init__(self, problem: Any, fallback: bool = True) -> None:
+        self.problem = problem
+        # Without the fallback, any difference gives None: an unprepared call then makes a new
+        # plan, whose checks (which backend, which framework) the generic split does not repeat.
+        self.fallback = problem.split if fallback else lambda values, kinds: None
+        self.entries: tuple[Any, ...] | None = None
+        entries = []
+        for position, (kind, roles, bare, bare_type) in enumerate(
+            zip(problem.kinds, problem.roles, problem.bare, problem.bare_types)
+        ):
+            metas = problem.signature[position][2]
+            if not bare:
+                if position in problem.adapted or not all(role in ("diff", "dynamic") for role in roles):
+                    return
+                if not all(meta[0] == "torch" and meta[3].type != "meta" for meta in metas):
+                    return
+                entries.append((position, "tree", kind == "active", problem.specs[position], tuple(zip(roles, metas))))
+                continue
+            if roles[0] not in ("module", "diff", "dynamic"):
+                return
+            if roles[0] != "module" and (metas[0][0] != "torch" or metas[0][3].type == "meta"):
+                return
+            entries.append((position, roles[0], kind == "active", bare_type, metas[0]))
+        self.entries = tuple(entries)
+
+    def __call__(self, values: tuple[Any, ...]) -> tuple[Flat, Flat] | None:
+        problem = self.problem
+        if self.entries is None:
+            return self.fallback(values, problem.kinds)
+        xs: list[Any] = []
+        ctx: list[Any] = []
+        described = problem._described
+        tensor_type = _torch().Tensor
+        for position, role, active, bare_type, meta in self.entries:
+            value = values[position]
+            if role == "tree":
+                leaves, spec = flatten(value)
+                if spec != bare_type:  # the prepared structure
+                    return self.fallback(values, problem.kinds)
+                for leaf, (leaf_role, leaf_meta) in zip(leaves, meta):
+                    if (
+                        not isinstance(leaf, tensor_type)
+                        or leaf.dtype is not leaf_meta[2]
+                        or leaf.shape != leaf_meta[1]
+                        or leaf.device != leaf_meta[3]
+                    ):
+                        return self.fallback(values, problem.kinds)
+                    (xs if leaf_role == "diff" else ctx).append(leaf)
+                continue
+            if type(value) is not bare_type:
+                return self.fallback(values, problem.kinds)
+            if role == "module":
+                description = described[(position, 0)]
+                if not description.still_describes(value):
+                    return self.fallback(values, problem.kinds)
+                if active:
+                    xs += description.params
+                ctx.append(description)
+                continue
+            if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
+                return self.fallback(values, problem.kinds)
+            (xs if role == "diff" else ctx).append(value)
+        return tuple(xs), tuple(ctx)
+
+
+def _usable(torch: Any) -> bool:
+    """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform."""
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not _inside_functorch()
+
+
+def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
+    """A gradient straight on the tape, for one signature: ``run(f, values, seed_kwargs)``.
 
     The same steps as the generic gradient (check and split the arguments,
     rebuild them, run f, `torch.autograd.grad`, arrange the result), without
     the layers that let one pipeline serve every operator and backend: on a
     small model those cost more than the forward and backward passes. Calls
     it does not cover (another signature, grad mode off, inside `torch.func`)
-    raise SignatureChanged before f runs and take the generic path.
+    raise SignatureChanged before f runs and take the generic path. It holds
+    no ``f``, so an unprepared call may keep it for the next (`reusable_call`).
     """
     torch = _torch()
-    problem, f, kinds = plan.problem, plan.f, plan.problem.kinds
-    value_wanted = plan.operator.name == "value_and_gradient"
-    op_name = plan.operator.name
+    n_args = len(problem.kinds)
+    split_checked = _FastSplit(problem, fallback)
+    value_wanted = op_name == "value_and_gradient"
+    tensor_type = torch.Tensor
 
-    def gradient(*values: Any, **seed_kwargs: Any) -> Any:
-        split = None if seed_kwargs or len(values) != len(kinds) else problem.split(values, kinds)
-        if split is None or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or _inside_functorch():
+    def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
+        split = None if seed_kwargs or len(values) != n_args or not _usable(torch) else split_checked(values)
+        if split is None:
             raise SignatureChanged
         xs, ctx = split
         leaves = tuple(map(_tape_leaf, xs))
         out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
-        if isinstance(out, torch.Tensor) and out.dim() == 0 and out.dtype.is_floating_point:
+        if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
             y, spec = out, None
         else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
             (y,), spec = problem.output_leaves(out, scalar=True)
@@ -558,7 +661,107 @@ def _tape_gradient(plan: Any) -> Callable[..., Any]:
         value = y.detach()
         return (value if spec is None else unflatten(spec, [value]), result)
 
+    gradient.split = split_checked  # type: ignore[attr-defined]
     return gradient
+
+
+def _tape_pullback(plan: Any) -> Callable[..., Any]:
+    """A prepared pullback of one cotangent straight on the tape (see `_tape_gradient`):
+    one evaluation of f, one `torch.autograd.grad` with the cotangent, nothing kept."""
+    torch = _torch()
+    problem, f, n_args, operator = plan.problem, plan.f, len(plan.problem.kinds), plan.operator
+    split_checked = _FastSplit(problem)
+    value_wanted = operator.name == "value_and_pullback"
+    op_name, seed_key = operator.name, plan.seed_key
+    tensor_type = torch.Tensor
+    from .._operators._common import Seeds, encode_seeds  # the operators import the backends
+    from .._operators.pullback import checked_cotangents
+
+    def pullback(*values: Any, **seed_kwargs: Any) -> Any:
+        split = None if len(values) != n_args or not _usable(torch) else split_checked(values)
+        if split is None:
+            raise SignatureChanged
+        cotangent: Any = seed_kwargs.get("cotangent")
+        if len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
+            seeds = Seeds((cotangent,), None, LEAF)  # what `encode_seeds` makes of one tensor, without a walk
+        else:
+            seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
+        if seeds.key != seed_key:
+            raise SignatureChanged
+        xs, ctx = split
+        leaves = tuple(map(_tape_leaf, xs))
+        out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
+        traced = Traced()
+        ys, traced.out_spec = problem.output_leaves(out, False)
+        cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
+        connected = [i for i, y in enumerate(ys) if y.requires_grad]
+        if not connected:
+            raise _disconnected(op_name)
+        grads = torch.autograd.grad(
+            [ys[i] for i in connected], leaves, [cts[i] for i in connected], allow_unused=True
+        )
+        result = problem.like_active(_zeros_for_unused(grads, xs, op_name))
+        if not value_wanted:
+            return result
+        return traced.output([y.detach() for y in ys]), result
+
+    return pullback
+
+
+def _checked_pipeline(plan: Any) -> Callable[..., Any]:
+    """Any other prepared operator: its pipeline, after the prepared checks of `_FastSplit`
+    (what the prepared object's checked path does, without its general dispatch)."""
+    problem, n_args, operator, backend = plan.problem, len(plan.problem.kinds), plan.operator, plan.backend
+    split_checked = _FastSplit(problem)
+    seed_key, pipeline, finalize = plan.seed_key, plan.pipeline, backend.finalize
+    torch = _torch()
+    from .._operators._common import Seeds, encode_seeds  # the operators import the backends
+
+    tensor_type = torch.Tensor
+    # One Active tensor or pytree of tensors: a tangent of its structure is checked leaf by leaf
+    # (type, shape, dtype), without the generic walk that finds what is wrong with one.
+    position = problem.active_positions[0]
+    tree_tangent = (
+        operator.seed == "tangent"
+        and len(problem.active_positions) == 1
+        and position not in problem.adapted
+        and all(role == "diff" for role in problem.roles[position])
+    )
+    spec = problem.specs[position]
+    layouts = tuple(zip(problem.diff_shapes, problem.diff_dtypes))
+
+    def tangent_seeds(tangent: Any) -> Any:
+        leaves, got = flatten(tangent)
+        if got != spec or len(leaves) != len(layouts):
+            return None
+        for leaf, (shape, dtype) in zip(leaves, layouts):
+            if not isinstance(leaf, tensor_type) or leaf.dtype is not dtype or leaf.shape != shape:
+                return None
+        return Seeds(tuple(leaves), None, None)  # what `encode_seeds` makes of it
+
+    def call(*values: Any, **seed_kwargs: Any) -> Any:
+        split = None if len(values) != n_args or torch.is_inference_mode_enabled() else split_checked(values)
+        if split is None:
+            raise SignatureChanged
+        seeds = None
+        if tree_tangent and len(seed_kwargs) == 1 and seed_kwargs.get("tangent") is not None:
+            seeds = tangent_seeds(seed_kwargs["tangent"])
+        if seeds is None:
+            seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
+        if (None if seeds is None else seeds.key) != seed_key:
+            raise SignatureChanged
+        with backend.context():
+            return finalize(pipeline(*split, None if seeds is None else seeds.leaves), problem)
+
+    return call
+
+
+def _encoded_seeds(encode_seeds: Callable[..., Any], operator: Any, problem: Any, seed_kwargs: dict[str, Any]) -> Any:
+    """`encode_seeds`; a mistake in them is for the prepared object's checked path to explain."""
+    try:
+        return encode_seeds(operator, problem, seed_kwargs)
+    except (TypeError, ValueError):
+        raise SignatureChanged from None
 
 
 def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:

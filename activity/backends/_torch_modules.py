@@ -19,6 +19,7 @@ be redirected and is refused before ``f`` runs.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import sys
 import types
@@ -57,10 +58,16 @@ class ModuleDescription:
     # module, with the objects each held (empty ones apart), each tensor's metadata, and
     # each module's __dict__: its size (a new instance attribute such as `forward`) and the
     # ids of the values a view redirects (an instance `forward` replaced by another).
-    filled: tuple[Any, ...] = ()
-    empty: tuple[Any, ...] = ()
+    # Kept flat, so that the check is a few C-level passes (`still_describes`).
+    slot_dicts: tuple[Any, ...] = ()
+    slot_sizes: tuple[Any, ...] = ()
+    filled_dicts: tuple[Any, ...] = ()  # the slot dicts that hold something
+    slot_objects: tuple[Any, ...] = ()  # what they hold, in order
     tensors: tuple[Any, ...] = ()
-    states: tuple[Any, ...] = ()
+    tensor_metas: tuple[Any, ...] = ()  # _TENSOR_META of each tensor
+    module_refs: tuple[Any, ...] = ()  # weakref.ref to every visited module
+    state_sizes: tuple[Any, ...] = ()  # len(module.__dict__) of each
+    watched: tuple[Any, ...] = ()  # (index into module_refs, ((key, id(value)), ...)) where a view redirects keys
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict[Any, Any] = attrs.field(factory=dict)
     plans: dict[Any, Any] = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
@@ -72,26 +79,31 @@ class ModuleDescription:
     def still_describes(self, module: Any) -> bool:
         """Whether ``module`` is the module described, unchanged: the same objects in every
         submodule, parameter and buffer slot, each tensor with the same shape, dtype,
-        device and ``requires_grad``, no new instance attribute. Cheaper than a new walk
-        (no names, no layout): it runs on every prepared call."""
-        if module is not self.module or any(self.empty):
+        device and ``requires_grad``, no new instance attribute, the same values where a
+        view redirects one. Cheaper than a new walk (no names, no layout): it runs on
+        every prepared call, so each part is one pass of C-level iteration."""
+        if module is not self.module_ref():
             return False
-        for slots, objects in self.filled:
-            if len(slots) != len(objects) or not all(map(operator.is_, slots.values(), objects)):
-                return False
-        for tensor, shape, dtype, device, requires_grad in self.tensors:
-            if (
-                tensor.requires_grad is not requires_grad
-                or tensor.dtype is not dtype
-                or tensor.shape != shape
-                or tensor.device != device
-            ):
-                return False
-        for ref, size, watched in self.states:
-            state = ref().__dict__
-            if len(state) != size or any(id(state.get(key)) != ident for key, ident in watched):
+        if tuple(map(len, self.slot_dicts)) != self.slot_sizes:
+            return False
+        # With every size unchanged, the values in order are the same objects or a slot changed.
+        if not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, self.filled_dicts)), self.slot_objects)):
+            return False
+        if tuple(map(_TENSOR_META, self.tensors)) != self.tensor_metas:
+            return False
+        # The slots hold every submodule alive, so each reference resolves.
+        if tuple(map(len, map(vars, map(operator.call, self.module_refs)))) != self.state_sizes:
+            return False
+        for index, keys in self.watched:
+            state = self.module_refs[index]().__dict__
+            if any(id(state.get(key)) != ident for key, ident in keys):
                 return False
         return True
+
+
+# What a description checks of each tensor it holds; changed in place by `p.requires_grad_()`,
+# `p.data = ...` or `p.resize_(...)`.
+_TENSOR_META = operator.attrgetter("requires_grad", "dtype", "shape", "device")
 
 
 def describe_module(module: Any) -> ModuleDescription:
@@ -100,7 +112,7 @@ def describe_module(module: Any) -> ModuleDescription:
     params: list[Any] = []
     layout: list[Any] = []
     slot_dicts: list[dict[Any, Any]] = []
-    tensors: list[tuple[Any, ...]] = []
+    tensors: list[Any] = []
     modules: list[Any] = []
     seen: set[int] = set()
 
@@ -116,22 +128,20 @@ def describe_module(module: Any) -> ModuleDescription:
                 continue
             seen.add(id(p))
             layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
-            tensors.append((p, p.shape, p.dtype, p.device, p.requires_grad))
+            tensors.append(p)
             if p.requires_grad:
                 names.append(prefix + key)
                 params.append(p)
         for key, b in m._buffers.items():
             if b is not None:
                 layout.append((prefix + key, b.shape, b.dtype, b.device))
-                tensors.append((b, b.shape, b.dtype, b.device, b.requires_grad))
+                tensors.append(b)
         for key, child in m._modules.items():
             if child is not None:
                 visit(child, prefix + key + ".")
 
     visit(module, "")
     has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
-    filled = tuple((slots, tuple(slots.values())) for slots in slot_dicts if slots)
-    empty = tuple(slots for slots in slot_dicts if not slots)
     names_of = _module_names(module)
     redirected = {}
     optimized = _optimized_module_type()
@@ -147,15 +157,21 @@ def describe_module(module: Any) -> ModuleDescription:
         params,
         tuple(layout),
         has_buffers,
-        any(entry[0].is_inference() for entry in tensors),
-        filled,
-        empty,
-        tuple(tensors),
-        tuple(
-            (weakref.ref(m), len(m.__dict__), tuple((key, id(m.__dict__[key])) for key in redirected.get(id(m), ())))
-            for m in modules
+        any(t.is_inference() for t in tensors),
+        slot_dicts=tuple(slot_dicts),
+        slot_sizes=tuple(map(len, slot_dicts)),
+        filled_dicts=tuple(slots for slots in slot_dicts if slots),
+        slot_objects=tuple(itertools.chain.from_iterable(map(dict.values, slot_dicts))),
+        tensors=tuple(tensors),
+        tensor_metas=tuple(map(_TENSOR_META, tensors)),
+        module_refs=tuple(map(weakref.ref, modules)),
+        state_sizes=tuple(len(m.__dict__) for m in modules),
+        watched=tuple(
+            (index, tuple((key, id(m.__dict__[key])) for key in redirected[id(m)]))
+            for index, m in enumerate(modules)
+            if id(m) in redirected
         ),
-        redirected,
+        redirected=redirected,
     )
 
 

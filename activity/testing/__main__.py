@@ -31,7 +31,7 @@ CATALOGUES = ("default", "nn")
 OK, FAILED, NOTHING = 0, 1, 2
 
 
-def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, notes: list[str]) -> list:
+def _catalogue(framework: str, kinds: list[str], seed: int, transforms: bool, notes: list[str]) -> list[Any]:
     """The scenarios of ``kinds`` for ``framework``, named ``framework/name``; what cannot be built goes to ``notes``."""
     from activity.testing import batchify, cachify, closurify, constantify, default_scenarios, nn_scenarios
 

@@ -16,7 +16,8 @@ from ._scenario import Scenario
 
 def nn_scenarios_jax(seed: int = 0) -> list[Scenario]:
     jax = optional("jax", 'nn_scenarios("jax")')
-    eqx = optional("equinox", 'nn_scenarios("jax")')
+    optional("equinox", 'nn_scenarios("jax")')  # a missing Equinox names the extra that installs it
+    import equinox as eqx
     jnp = jax.numpy
 
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 256))

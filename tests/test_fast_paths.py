@@ -1,0 +1,188 @@
+"""The per-call fast paths (issue 15): prepared torch calls past the generic dispatch, unprepared
+torch gradients reusing the last call's checked split, and prepared JAX calls of arguments with
+static leaves (Equinox modules) jitted over their arrays. Each gives what the raw call gives and
+keeps every check of the slow path. Expected values come from `torch.autograd.grad` and
+`eqx.filter_grad` written out here."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+eqx = pytest.importorskip("equinox")
+import jax.numpy as jnp  # noqa: E402
+from torch import nn  # noqa: E402
+
+import activity as ad  # noqa: E402
+from activity import Active, Constant  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def mlp(width: int = 4, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+
+
+def mse(model, x):
+    return model(x).pow(2).mean()
+
+
+def data(*shape: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def raw_gradient(model, x, loss=mse) -> dict:
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss(model, x), [p for _, p in named])
+    return {name: g for (name, _), g in zip(named, grads)}
+
+
+def assert_dicts_close(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL)
+
+
+# ---------------------------------------------------------------- prepared torch
+
+
+def test_prepared_pullback_and_value_on_new_data_match_the_tape():
+    model, x = mlp(), data(5, 4)
+    cotangent = data(5, 1, seed=2)
+    prepared = ad.prepare(ad.value_and_pullback, lambda m, x: m(x), Active(model), Constant(x), cotangent=cotangent)
+    for seed in (3, 4):
+        x_new, ct_new = data(5, 4, seed=seed), data(5, 1, seed=seed + 10)
+        value, pulled = prepared(model, x_new, cotangent=ct_new)
+        params = list(model.parameters())
+        want = torch.autograd.grad(model(x_new), params, ct_new)
+        torch.testing.assert_close(value, model(x_new).detach(), **TOL)
+        assert_dicts_close(pulled, dict(zip(["0.weight", "0.bias", "2.weight", "2.bias"], want)))
+        assert not value.requires_grad and all(model.get_parameter(n).grad is None for n in pulled)
+
+
+def test_prepared_pullback_of_a_tuple_output_takes_a_tuple_cotangent():
+    w = data(3, seed=5)
+    f = lambda w, x: (torch.sin(w) * x, (w**2).sum())  # noqa: E731
+    x = data(3, seed=6)
+    cotangent = (data(3, seed=7), torch.tensor(2.0))
+    prepared = ad.prepare(ad.pullback, f, Active(w), Constant(x), cotangent=cotangent)
+    leaf = w.detach().requires_grad_()
+    out = f(leaf, x)
+    (want,) = torch.autograd.grad(out, leaf, cotangent)
+    torch.testing.assert_close(prepared(w, x, cotangent=cotangent), want, **TOL)
+
+
+def test_prepared_pullback_refuses_a_cotangent_of_another_shape_naming_it():
+    model, x = mlp(), data(5, 4)
+    prepared = ad.prepare(ad.pullback, lambda m, x: m(x), Active(model), Constant(x), cotangent=torch.ones(5, 1))
+    with pytest.raises(ValueError, match=r"cotangent has shape \(5, 2\), but f's output there has shape \(5, 1\)"):
+        prepared(model, x, cotangent=torch.ones(5, 2))
+
+
+def test_prepared_pytree_of_tensors_is_checked_leaf_by_leaf():
+    params = {"w": data(4, 3), "b": data(3, seed=2)}
+    f = lambda p, x: torch.tanh(x @ p["w"] + p["b"]).sum()  # noqa: E731
+    x = data(2, 4, seed=3)
+    tangent = {"w": torch.ones(4, 3), "b": torch.ones(3)}
+    prepared = ad.prepare(ad.pushforward, f, Active(params), Constant(x), tangent=tangent)
+    _, want = torch.func.jvp(lambda p: f(p, x), (params,), (tangent,))
+    torch.testing.assert_close(prepared(params, x, tangent=tangent), want, **TOL)
+    with pytest.raises(ad.PreparationMismatchError, match=r"argument 0 .*\['w'\].*shape \(4, 3\).*shape \(5, 3\)"):
+        prepared({"w": data(5, 3), "b": data(3)}, x, tangent=tangent)
+    with pytest.raises(ValueError, match=r"tangent\['b'\] has shape \(4,\), expected \(3,\)"):
+        prepared(params, x, tangent={"w": torch.ones(4, 3), "b": torch.ones(4)})
+
+
+def test_prepared_hvp_of_one_tangent_matches_double_backward():
+    model, x = mlp(), data(5, 4)
+    tangent = {name: torch.full_like(p, 0.5) for name, p in model.named_parameters()}
+    prepared = ad.prepare(ad.hvp, mse, Active(model), Constant(x), tangent=tangent)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(mse(model, x), params, create_graph=True)
+    want = torch.autograd.grad(grads, params, list(tangent.values()))
+    assert_dicts_close(prepared(model, x, tangent=tangent), dict(zip(tangent, want)))
+
+
+# ---------------------------------------------------------------- unprepared torch
+
+
+def test_unprepared_calls_of_one_signature_each_get_their_own_models_gradient():
+    x = data(5, 4)
+    first, second = mlp(seed=0), mlp(seed=1)
+    for model in (first, second, first):
+        assert_dicts_close(ad.gradient(mse, Active(model), Constant(x)), raw_gradient(model, x))
+
+
+def test_unprepared_calls_see_a_layer_replaced_and_a_parameter_frozen_in_between():
+    model, x = mlp(), data(5, 4)
+    ad.gradient(mse, Active(model), Constant(x))
+    model[2] = nn.Linear(4, 1)
+    assert_dicts_close(ad.gradient(mse, Active(model), Constant(x)), raw_gradient(model, x))
+    model[0].bias.requires_grad_(False)
+    got = ad.gradient(mse, Active(model), Constant(x))
+    assert "0.bias" not in got
+    assert_dicts_close(got, raw_gradient(model, x))
+
+
+def test_unprepared_calls_keep_no_dropped_model_alive():
+    model, x = mlp(), data(5, 4)
+    ad.gradient(mse, Active(model), Constant(x))
+    ad.gradient(mse, Active(model), Constant(x))
+    module, weight = weakref.ref(model), weakref.ref(model[0].weight)
+    del model
+    gc.collect()
+    assert module() is None and weight() is None
+
+
+def test_an_unprepared_call_of_the_same_kinds_with_jax_arrays_is_still_refused():
+    backend = ad.AutoTorch()
+    square = lambda w: (w**2).sum()  # noqa: E731
+    ad.gradient(square, Active(torch.ones(3)), backend=backend)
+    with pytest.raises(ad.UnsupportedError, match=r"cannot differentiate the JAX value"):
+        ad.gradient(square, Active(jnp.ones(3)), backend=backend)
+
+
+# ---------------------------------------------------------------- Equinox, prepared
+
+
+def equinox_loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def test_prepared_equinox_module_gives_filter_grad_on_new_data_without_tracing_again():
+    model = eqx.nn.MLP(3, 1, 8, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    traces = []
+
+    def counted(model, x):
+        traces.append(1)
+        return equinox_loss(model, x)
+
+    x = jnp.ones((4, 3))
+    prepared = ad.prepare(ad.gradient, counted, Active(model), Constant(x))
+    traced_at_prepare = len(traces)
+    for seed in range(3):
+        x_new = jax.random.normal(jax.random.PRNGKey(seed), (4, 3))
+        got = prepared(model, x_new)
+        want = eqx.filter_grad(equinox_loss)(model, x_new)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert len(traces) == traced_at_prepare
+
+
+def test_prepared_equinox_module_refuses_another_activation_or_width():
+    model = eqx.nn.MLP(3, 1, 8, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    x = jnp.ones((4, 3))
+    prepared = ad.prepare(ad.gradient, equinox_loss, Active(model), Constant(x))
+    relu = eqx.nn.MLP(3, 1, 8, 2, activation=jax.nn.relu, key=jax.random.PRNGKey(0))
+    with pytest.raises(ad.PreparationMismatchError, match="argument 0"):
+        prepared(relu, x)
+    wider = eqx.nn.MLP(3, 1, 16, 2, activation=jnp.tanh, key=jax.random.PRNGKey(0))
+    with pytest.raises(ad.PreparationMismatchError, match="argument 0"):
+        prepared(wider, x)
+    with pytest.raises(ad.PreparationMismatchError, match="argument 1"):
+        prepared(model, jnp.ones((4, 5)))
