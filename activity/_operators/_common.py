@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import difflib
+
 import attrs
 
 from .. import _arrays as arrays
 from .._errors import UnsupportedError
-from .._problem import Problem, Traced, a, parse_arguments
+from .._annotations import Annotation
+from .._problem import Problem, Traced, a, parse_call
 from .._tree import flatten, leaf_paths
 from ..backends import Backend, resolve_backend
 from ..backends._base import stack_batch
@@ -43,6 +46,55 @@ class Seeds:
 
 
 REGISTRY: dict[str, Operator] = {}
+
+HAS_AUX = frozenset({"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"})
+
+
+def operator_options(operator: Operator) -> tuple[str, ...]:
+    """The operator's own keywords: never an argument for f."""
+    seeds = () if operator.seed is None else (operator.seed, operator.seed + "s")
+    return ("backend", *(("has_aux",) if operator.name in HAS_AUX else ()), *seeds)
+
+
+def refuse_annotated_options(operator: Operator, given: dict[str, Any], caller: str | None = None) -> None:
+    """An annotation passed as one of the operator's own options (``backend=Constant(x)``) is a
+    keyword argument for f that clashes with the option: a TypeError that says so."""
+    for name, value in given.items():
+        if isinstance(value, Annotation):
+            where = f"activity.prepare(activity.{operator.name}, ...)" if caller else f"activity.{operator.name}"
+            raise TypeError(
+                f"{where}: {name}= is an option of the operator, but it got {type(value).__name__}(...), an "
+                f"annotated argument for f. A keyword argument of f cannot be named {name} (the operator's "
+                f"options are {', '.join(o + '=' for o in operator_options(operator))}): rename it in f, or "
+                f"pass it positionally."
+            )
+
+
+def unannotated_keyword_message(
+    operator: Operator, name: str, value: Any, options: Sequence[str], caller: str | None = None
+) -> str:
+    """Why ``name=value`` is refused: not an annotation, so not for f, and not an option either."""
+    where = f"activity.prepare(activity.{operator.name}, ...)" if caller else f"activity.{operator.name}"
+    close = difflib.get_close_matches(name, options, n=1)
+    hint = f"Did you mean {close[0]}=? " if close else ""
+    if not close:  # an option of another operator (tangent= to gradient): say whose it is
+        others = {o: op.name for op in REGISTRY.values() for o in operator_options(op)}
+        close = difflib.get_close_matches(name, list(others), n=1)
+        if close:
+            hint = f"Did you mean {close[0]}=? (an option of operators such as activity.{others[close[0]]}, not of activity.{operator.name}) "
+    return (
+        f"{where} got the unannotated keyword argument {name}= ({type(value).__name__}). {hint}"
+        f"A keyword argument for f must be annotated: Active(x) to differentiate it, Constant(x) for data, "
+        f"or Cache(x) for scratch space f may overwrite; the operator's own options are "
+        f"{', '.join(o + '=' for o in options)}."
+    )
+
+
+def check_keywords(operator: Operator, keywords: dict[str, Any]) -> None:
+    """Every keyword argument for f is annotated; a raw one gets the closest option as a hint."""
+    for name, value in keywords.items():
+        if not isinstance(value, Annotation) or type(value) is Annotation:
+            raise TypeError(unannotated_keyword_message(operator, name, value, operator_options(operator)))
 
 
 def operator_of(op: Any) -> Operator:
@@ -123,6 +175,9 @@ class Plan:
         options: dict[str, Any],
         seed_kwargs: dict[str, Any],
         mode: str = "unprepared",
+        *,
+        wheres: tuple[Any, ...] | None = None,
+        keywords: tuple[str, ...] = (),
     ):
         backend = resolve_backend(operator.name, backend, values)
         for kind in dict.fromkeys(kinds):
@@ -132,7 +187,7 @@ class Plan:
                     f"argument ({mode}). See the support table: {type(backend).__name__}().capabilities()."
                 )
         self.operator, self.backend, self.f, self.options = operator, backend, f, options
-        self.problem = Problem(operator.name, kinds, values, backend)
+        self.problem = Problem(operator.name, kinds, values, backend, wheres, keywords)
         if operator.scalar_input:
             self._check_scalar_inputs(values)
         self.seeds = encode_seeds(operator, self.problem, seed_kwargs)
@@ -174,11 +229,30 @@ class Plan:
             return self.backend.finalize(self.pipeline(xs, ctx, extra), self.problem)
 
 
-def call(operator: Operator, f: Callable, args: Sequence[Any], backend: Backend | None, options: dict, seed_kwargs: dict) -> Any:
-    """An unprepared call: plan, then run."""
-    kinds, values = parse_arguments(operator.name, f, args)
-    plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
-    return plan.run(values, plan.seeds)
+def call(
+    operator: Operator,
+    f: Callable,
+    args: Sequence[Any],
+    backend: Backend | None,
+    options: dict,
+    seed_kwargs: dict,
+    keywords: dict[str, Any] | None = None,
+) -> Any:
+    """An unprepared call: plan, then run. ``keywords`` are the annotated keyword arguments for f."""
+    if keywords:
+        check_keywords(operator, keywords)
+    if isinstance(backend, Annotation):
+        refuse_annotated_options(operator, {"backend": backend})
+    for given in (options, seed_kwargs):
+        for value in given.values():
+            if isinstance(value, Annotation):
+                refuse_annotated_options(operator, given)
+    arguments = parse_call(operator.name, f, args, keywords)
+    plan = Plan(
+        operator, f, arguments.kinds, arguments.values, backend, options, seed_kwargs,
+        wheres=arguments.wheres, keywords=arguments.keywords,
+    )
+    return plan.run(arguments.values, plan.seeds)
 
 
 # ------------------------------------------------------------------ pipeline helpers

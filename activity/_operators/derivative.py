@@ -22,7 +22,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -> Any:
+def derivative(f: Callable, *args: Annotation, backend: Backend | None = None, **keywords: Annotation) -> Any:
     """Derivative of ``f``'s output with respect to scalar Active arguments.
 
     The output may be any array or pytree; the result has its structure. With
@@ -33,10 +33,10 @@ def derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -
     >>> ad.derivative(lambda t: jnp.array([t, t**2]), ad.Active(3.0), backend=ad.AutoJAX())
     Array([1., 6.], dtype=float32)
     """
-    return call(DERIVATIVE, f, args, backend, {}, {})
+    return call(DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
-def value_and_derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -> tuple[Any, Any]:
+def value_and_derivative(f: Callable, *args: Annotation, backend: Backend | None = None, **keywords: Annotation) -> tuple[Any, Any]:
     """``(f(*values), derivative)``; see `derivative`.
 
     >>> import jax.numpy as jnp
@@ -44,7 +44,7 @@ def value_and_derivative(f: Callable, *args: Annotation, backend: Backend | None
     >>> ad.value_and_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
     (Array(8., dtype=float32, weak_type=True), Array(12., dtype=float32, weak_type=True))
     """
-    return call(VALUE_AND_DERIVATIVE, f, args, backend, {}, {})
+    return call(VALUE_AND_DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 DERIVATIVE = Operator("derivative", lambda *a: _build(*a, value=False), scalar_input=True)

@@ -19,7 +19,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
     return pipeline
 
 
-def gradient(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False) -> Any:
+def gradient(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation) -> Any:
     """Gradient of a scalar ``f`` with respect to its Active arguments.
 
     One Active argument: a result of its structure; several: a tuple. A
@@ -34,11 +34,11 @@ def gradient(f: Callable, *args: Annotation, backend: Backend | None = None, has
     >>> {k: float(v) for k, v in g.items()}
     {'w': 10.0, 'b': 6.0}
     """
-    return call(GRADIENT, f, args, backend, {"has_aux": has_aux}, {})
+    return call(GRADIENT, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 def value_and_gradient(
-    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False
+    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation
 ) -> tuple[Any, Any]:
     """``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.
 
@@ -47,7 +47,7 @@ def value_and_gradient(
     >>> ad.value_and_gradient(lambda x: jnp.sum(x**2), ad.Active(jnp.array([1.0, 2.0])))
     (Array(5., dtype=float32), Array([2., 4.], dtype=float32))
     """
-    return call(VALUE_AND_GRADIENT, f, args, backend, {"has_aux": has_aux}, {})
+    return call(VALUE_AND_GRADIENT, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 GRADIENT = Operator("gradient", lambda *a, **k: _build(*a, value=False, **k))

@@ -29,7 +29,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def hessian(f: Callable, *args: Annotation, backend: Backend | None = None) -> Any:
+def hessian(f: Callable, *args: Annotation, backend: Backend | None = None, **keywords: Annotation) -> Any:
     """Hessian of a scalar ``f`` in `jax.hessian`'s layout (input structure twice,
     leaves of shape ``shape_i + shape_j``); a tuple of tuples for several Active arguments.
 
@@ -39,10 +39,10 @@ def hessian(f: Callable, *args: Annotation, backend: Backend | None = None) -> A
     Array([[0., 4.],
            [4., 2.]], dtype=float32)
     """
-    return call(HESSIAN, f, args, backend, {}, {})
+    return call(HESSIAN, f, args, backend, {}, {}, keywords)
 
 
-def value_gradient_and_hessian(f: Callable, *args: Annotation, backend: Backend | None = None) -> tuple[Any, Any, Any]:
+def value_gradient_and_hessian(f: Callable, *args: Annotation, backend: Backend | None = None, **keywords: Annotation) -> tuple[Any, Any, Any]:
     """``(value, gradient, hessian)``.
 
     >>> import jax.numpy as jnp
@@ -51,7 +51,7 @@ def value_gradient_and_hessian(f: Callable, *args: Annotation, backend: Backend 
     >>> value, grad, hess
     (Array(1., dtype=float32), Array([3.], dtype=float32), Array([[6.]], dtype=float32))
     """
-    return call(VALUE_GRADIENT_AND_HESSIAN, f, args, backend, {}, {})
+    return call(VALUE_GRADIENT_AND_HESSIAN, f, args, backend, {}, {}, keywords)
 
 
 HESSIAN = Operator("hessian", lambda *a: _build(*a, value=False))

@@ -19,7 +19,7 @@ def _build(problem, f, backend, seeds, *, with_gradient: bool) -> Callable:
     return pipeline
 
 
-def hvp(f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
+def hvp(f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation) -> Any:
     """Hessian-vector product of a scalar ``f`` along ``tangent`` (a list for ``tangents=[...]``).
 
     >>> import jax.numpy as jnp
@@ -27,11 +27,11 @@ def hvp(f: Callable, *args: Annotation, backend: Backend | None = None, tangent:
     >>> ad.hvp(lambda x: jnp.sum(x**3), ad.Active(jnp.array([1.0, 2.0])), tangent=jnp.array([1.0, 1.0]))
     Array([ 6., 12.], dtype=float32)
     """
-    return call(HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 def gradient_and_hvp(
-    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation
 ) -> tuple[Any, Any]:
     """``(gradient, hvp)``.
 
@@ -40,7 +40,7 @@ def gradient_and_hvp(
     >>> ad.gradient_and_hvp(lambda x: jnp.sum(x**3), ad.Active(jnp.array([2.0])), tangent=jnp.array([1.0]))
     (Array([12.], dtype=float32), Array([12.], dtype=float32))
     """
-    return call(GRADIENT_AND_HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(GRADIENT_AND_HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 HVP = Operator("hvp", lambda *a: _build(*a, with_gradient=False), seed="tangent")

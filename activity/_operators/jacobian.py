@@ -38,7 +38,7 @@ def _build(problem, f, backend, seeds, *, value: bool, has_aux: bool = False) ->
     return pipeline
 
 
-def jacobian(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False) -> Any:
+def jacobian(f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation) -> Any:
     """Jacobian of ``f`` in `jax.jacobian`'s layout: output structure, then input structure,
     each leaf of shape ``output_shape + input_shape``.
 
@@ -48,11 +48,11 @@ def jacobian(f: Callable, *args: Annotation, backend: Backend | None = None, has
     Array([[2., 0.],
            [0., 4.]], dtype=float32)
     """
-    return call(JACOBIAN, f, args, backend, {"has_aux": has_aux}, {})
+    return call(JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 def value_and_jacobian(
-    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False
+    f: Callable, *args: Annotation, backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation
 ) -> tuple[Any, Any]:
     """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
 
@@ -62,7 +62,7 @@ def value_and_jacobian(
     >>> value, jac
     (Array([3.], dtype=float32), Array([[3.]], dtype=float32))
     """
-    return call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {})
+    return call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 JACOBIAN = Operator("jacobian", lambda *a, **k: _build(*a, value=False, **k))

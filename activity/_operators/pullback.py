@@ -44,7 +44,7 @@ def _checked(problem, traced, seeds, cts, ys) -> tuple:
 
 
 def pullback(
-    f: Callable, *args: Annotation, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
+    f: Callable, *args: Annotation, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None, **keywords: Annotation
 ) -> Any:
     """The cotangent pulled back to the Active arguments (a VJP), or a list for ``cotangents=[...]``.
 
@@ -56,11 +56,11 @@ def pullback(
     >>> ad.pullback(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])), cotangent=jnp.array([1.0, 1.0]))
     Array([2., 4.], dtype=float32)
     """
-    return call(PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents})
+    return call(PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents}, keywords)
 
 
 def value_and_pullback(
-    f: Callable, *args: Annotation, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
+    f: Callable, *args: Annotation, backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None, **keywords: Annotation
 ) -> tuple[Any, Any]:
     """``(value, pullback)``.
 
@@ -69,7 +69,7 @@ def value_and_pullback(
     >>> ad.value_and_pullback(lambda x: 2 * x, ad.Active(jnp.array(1.0)), cotangent=jnp.array(3.0))
     (Array(2., dtype=float32, weak_type=True), Array(6., dtype=float32))
     """
-    return call(VALUE_AND_PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents})
+    return call(VALUE_AND_PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents}, keywords)
 
 
 PULLBACK = Operator("pullback", lambda *a: _build(*a, value=False), seed="cotangent")

@@ -20,7 +20,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
 
 
 def pushforward(
-    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation
 ) -> Any:
     """The output tangent of ``f`` along ``tangent`` (a JVP), or a list for ``tangents=[...]``.
 
@@ -33,11 +33,11 @@ def pushforward(
     >>> ad.pushforward(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])), tangent=jnp.array([1.0, 0.0]))
     Array([2., 0.], dtype=float32)
     """
-    return call(PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 def value_and_pushforward(
-    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable, *args: Annotation, backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation
 ) -> tuple[Any, Any]:
     """``(value, pushforward)``.
 
@@ -46,7 +46,7 @@ def value_and_pushforward(
     >>> ad.value_and_pushforward(jnp.sin, ad.Active(jnp.array(0.0)), tangents=[jnp.array(2.0)])
     (Array(0., dtype=float32, weak_type=True), [Array(2., dtype=float32, weak_type=True)])
     """
-    return call(VALUE_AND_PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(VALUE_AND_PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 PUSHFORWARD = Operator("pushforward", lambda *a: _build(*a, value=False), seed="tangent")

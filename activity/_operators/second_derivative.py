@@ -30,7 +30,7 @@ def _build(problem, f, backend, seeds, *, value: bool) -> Callable:
     return pipeline
 
 
-def second_derivative(f: Callable, *args: Annotation, backend: Backend | None = None) -> Any:
+def second_derivative(f: Callable, *args: Annotation, backend: Backend | None = None, **keywords: Annotation) -> Any:
     """Second derivative of ``f``'s output with respect to scalar Active arguments.
 
     With several Active scalars, a tuple of tuples (``[i][j]`` is d2/dxi dxj).
@@ -40,11 +40,11 @@ def second_derivative(f: Callable, *args: Annotation, backend: Backend | None = 
     >>> ad.second_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
     Array(12., dtype=float32, weak_type=True)
     """
-    return call(SECOND_DERIVATIVE, f, args, backend, {}, {})
+    return call(SECOND_DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 def value_derivative_and_second_derivative(
-    f: Callable, *args: Annotation, backend: Backend | None = None
+    f: Callable, *args: Annotation, backend: Backend | None = None, **keywords: Annotation
 ) -> tuple[Any, Any, Any]:
     """``(value, derivative, second_derivative)``.
 
@@ -52,7 +52,7 @@ def value_derivative_and_second_derivative(
     >>> ad.value_derivative_and_second_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
     (Array(8., dtype=float32, weak_type=True), Array(12., dtype=float32, weak_type=True), Array(12., dtype=float32, weak_type=True))
     """
-    return call(VALUE_DERIVATIVE_AND_SECOND_DERIVATIVE, f, args, backend, {}, {})
+    return call(VALUE_DERIVATIVE_AND_SECOND_DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 SECOND_DERIVATIVE = Operator("second_derivative", lambda *a: _build(*a, value=False), scalar_input=True)
