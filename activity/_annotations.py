@@ -17,8 +17,16 @@ def _refuse_nesting(instance: Any, attribute: Any, value: Any) -> None:
         )
 
 
+def is_predicate(where: Any) -> bool:
+    """Whether a ``where`` is a callable ``(path, leaf) -> bool``, not a pytree of bools (an
+    Equinox module is callable and a pytree: as a mask it is a filter spec)."""
+    from ._tree import flatten
+
+    return callable(where) and flatten(where)[1].is_leaf()
+
+
 def _check_where(instance: Any, attribute: Any, where: Any) -> None:
-    if where is None or callable(where):
+    if where is None or is_predicate(where):
         return
     from ._tree import flatten, leaf_paths
 

@@ -481,7 +481,7 @@ def prepare(
     refuse_annotated_options(operator, {"backend": backend, "strict": strict, "max_signatures": max_signatures}, "prepare")
     refuse_annotated_options(operator, {k: v for k, v in op_kwargs.items() if k in own}, "prepare")
     f_keywords = {k: op_kwargs.pop(k) for k in list(op_kwargs) if isinstance(op_kwargs[k], Annotation)}
-    unknown = [k for k in op_kwargs if k not in own]
+    unknown = [k for k in op_kwargs if k not in own and k != "has_aux"]  # has_aux is refused below, with a reason
     if unknown:
         raise TypeError(unannotated_keyword_message(operator, unknown[0], op_kwargs[unknown[0]], own, "prepare"))
     arguments = parse_call(operator.name, f, args, f_keywords)

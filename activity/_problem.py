@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from . import _arrays as arrays
-from ._annotations import Active, Annotation, Cache, Constant
+from ._annotations import Active, Annotation, Cache, Constant, is_predicate
 from ._conventions import adapter_for, is_python_number
 from ._errors import UnsupportedError, add_note
 from ._tree import LEAF, flatten, leaf_paths, structure_difference, unflatten
@@ -216,13 +216,14 @@ class Problem:
             tree, trainable = params, len(flatten(params)[0])
             leaves, spec = flatten((params, rest))
         in_tree = not spec.is_leaf()
+        predicate = is_predicate(where)
         candidate = [
             arrays.is_torch_module(leaf)
             or (arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf)))
             for index, leaf in enumerate(leaves)
         ]
         paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
-        if callable(where):
+        if predicate:
             marks: list[Any] = [None] * len(leaves)
         else:
             marks = _broadcast_mask(where, tree, value, label)
@@ -234,12 +235,12 @@ class Problem:
                 names = self.backend.describe_module(leaf).names
                 named = dict(zip(names, self.backend.describe_module(leaf).params))
                 prefix = paths[index] + "." if paths[index] else ""
-                if callable(where):
+                if predicate:
                     chosen = [name for name in names if _answer(where, prefix + name, named[name], label)]
                 else:
                     chosen = [name for name in names if _module_mark(marks[index], name, label)]
                 selected.append(tuple(chosen))
-            elif callable(where):
+            elif predicate:
                 selected.append(_answer(where, paths[index], leaf, label))
             else:
                 selected.append(bool(marks[index]))
@@ -684,11 +685,12 @@ def _mask_change(expected: tuple | None, actual: tuple | None) -> str:
             return "no where= (all of it differentiated)"
         leaves = sum(1 for s in selection if s is True)
         params = sum(len(s) for s in selection if isinstance(s, tuple))
-        return f"a where= selecting {leaves} leaf(s)" + (f" and {params} module parameter(s)" if params else "")
+        parts = [f"{leaves} leaf(s)"] * bool(leaves or not params) + [f"{params} module parameter(s)"] * bool(params)
+        return f"a where= selecting {' and '.join(parts)}"
 
     return (
-        f"prepared with {count(expected)}, called with {count(actual)} that selects other leaves. The mask is part "
-        f"of the prepared signature: call with raw values (they take the prepared mask) or prepare again."
+        f"prepared with {count(expected)}, called with {count(actual)}, which selects other leaves. The mask is "
+        f"part of the prepared signature: call with raw values (they take the prepared mask) or prepare again."
     )
 
 

@@ -74,19 +74,18 @@ def unannotated_keyword_message(
     operator: Operator, name: str, value: Any, options: Sequence[str], caller: str | None = None
 ) -> str:
     """Why ``name=value`` is refused: not an annotation, so not for f, and not an option either."""
-    where = f"activity.prepare(activity.{operator.name}, ...)" if caller else f"activity.{operator.name}"
     close = difflib.get_close_matches(name, options, n=1)
     hint = f"Did you mean {close[0]}=? " if close else ""
-    if not close:  # an option of another operator (tangent= to gradient): say whose it is
-        others = {o: op.name for op in REGISTRY.values() for o in operator_options(op)}
-        close = difflib.get_close_matches(name, list(others), n=1)
-        if close:
-            hint = f"Did you mean {close[0]}=? (an option of operators such as activity.{others[close[0]]}, not of activity.{operator.name}) "
+    others = {o: op.name for op in REGISTRY.values() for o in operator_options(op) if o not in options}
+    if not close and name in others:
+        hint = f"{name}= is an option of other operators (such as activity.{others[name]}), not of this one. "
+    elif not close and (close := difflib.get_close_matches(name, list(others), n=1)):
+        hint = f"Did you mean {close[0]}=? (an option of other operators, such as activity.{others[close[0]]}) "
     return (
-        f"{where} got the unannotated keyword argument {name}= ({type(value).__name__}). {hint}"
-        f"A keyword argument for f must be annotated: Active(x) to differentiate it, Constant(x) for data, "
-        f"or Cache(x) for scratch space f may overwrite; the operator's own options are "
-        f"{', '.join(o + '=' for o in options)}."
+        f"activity.{operator.name} got unexpected keyword argument(s) [{name!r}] ({type(value).__name__}), which "
+        f"is not annotated, so it is not an argument for f either. {hint}A keyword argument for f is annotated: "
+        f"Active(x) to differentiate it, Constant(x) for data, or Cache(x) for scratch space f may overwrite. "
+        f"The options{' of activity.prepare' if caller else ''} here are {', '.join(o + '=' for o in options)}."
     )
 
 
