@@ -50,6 +50,9 @@ def build_cases(sizes: Sizes, frameworks=("jax", "torch")):
         cases += module.prepared_cases(sizes.mlp_widths, sizes.vector_sizes)
         cases += module.unprepared_cases(sizes.unprepared_widths)
         cases += module.scaling_cases(sizes.scaling_widths)
+    from ._cases_masks import mask_cases
+
+    cases += mask_cases(tuple(frameworks), sizes.mlp_widths)
     return cases
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ def test_finite_differences_work_with_numpy_only():
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
 def test_example_runs(script):
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's activity, not another installed one
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
 

@@ -344,9 +344,9 @@ def test_only_the_kernels_of_an_nnx_module(assert_tree_close):
     got = ad.gradient(f, Active(net, where=lambda path, leaf: path.endswith("['kernel']")), Constant(x))
     graph, kernels, rest = nnx.split(net, nnx.PathContains("kernel"), ...)
     expected = jax.grad(lambda k: f(nnx.merge(graph, k, rest), x))(kernels)
-    assert got["first"]["bias"].value is None and got["second"]["bias"].value is None
-    assert_tree_close(got["first"]["kernel"].value, expected["first"]["kernel"].value, rtol=1e-6, atol=1e-6)
-    assert_tree_close(got["second"]["kernel"].value, expected["second"]["kernel"].value, rtol=1e-6, atol=1e-6)
+    assert got["first"]["bias"].get_value() is None and got["second"]["bias"].get_value() is None
+    assert_tree_close(got["first"]["kernel"].get_value(), expected["first"]["kernel"].get_value(), rtol=1e-6, atol=1e-6)
+    assert_tree_close(got["second"]["kernel"].get_value(), expected["second"]["kernel"].get_value(), rtol=1e-6, atol=1e-6)
 
 
 def test_lora_adapters_on_a_frozen_jax_base(assert_tree_close):
