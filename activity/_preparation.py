@@ -95,7 +95,7 @@ class Prepared:
                         self._local.call = None
         return self._checked_call(args, seed_kwargs)
 
-    def _with_keywords(self, args: tuple, kwargs: dict) -> tuple:
+    def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments followed by the prepared keyword arguments for f, taken out
         of ``kwargs`` by name (what is left are the tangent keywords)."""
         missing = [name for name in self._keywords if name not in kwargs]

@@ -169,7 +169,7 @@ class Problem:
         self.n_positional = len(kinds) - len(keywords)
         self.wheres = tuple(wheres) if wheres is not None else (None,) * len(kinds)
         # per argument: None (all of it differentiated), or what its `where` selects (see `selection`)
-        self.selections: list[tuple | None] = []
+        self.selections: list[tuple[Any, ...] | None] = []
         self.specs: list = []
         self.roles: list[tuple[str, ...]] = []
         self.statics: list[tuple] = []
@@ -199,7 +199,7 @@ class Problem:
 
     # ------------------------------------------------------------------ parsing
 
-    def selection(self, position: int, value: Any, where: Any) -> tuple | None:
+    def selection(self, position: int, value: Any, where: Any) -> tuple[Any, ...] | None:
         """What ``Active(value, where=where)`` differentiates: None for all of it, else one entry
         per leaf: a bool for a leaf that would be differentiated, the selected parameter names
         for a torch module, None for the others. Checked: a mask that selects nothing, has
@@ -407,7 +407,7 @@ class Problem:
         selection = self.selections[position]
         return described if selection is None else described.selecting(selection[index])
 
-    def selection_of(self, position: int, value: Any, where: Any) -> tuple | None:
+    def selection_of(self, position: int, value: Any, where: Any) -> tuple[Any, ...] | None:
         """`selection` of a call's ``where``; the prepared one when it is the prepared object
         (a raw value takes it), so a prepared call does not evaluate its mask again."""
         if where is self.wheres[position] and position < len(self.selections):
@@ -679,8 +679,8 @@ class Problem:
         dummy = unflatten(self.specs[position], list(range(self.specs[position].num_leaves)))
         return leaf_paths(dummy)[index]
 
-def _mask_change(expected: tuple | None, actual: tuple | None) -> str:
-    def count(selection: tuple | None) -> str:
+def _mask_change(expected: tuple[Any, ...] | None, actual: tuple[Any, ...] | None) -> str:
+    def count(selection: tuple[Any, ...] | None) -> str:
         if selection is None:
             return "no where= (all of it differentiated)"
         leaves = sum(1 for s in selection if s is True)
@@ -703,7 +703,7 @@ def _mask_paths(tree: Any, adapted: bool) -> list[str]:
     return paths
 
 
-def _answer(where: Callable, path: str, leaf: Any, label: str) -> bool:
+def _answer(where: Callable[[str, Any], Any], path: str, leaf: Any, label: str) -> bool:
     """``where(path, leaf)``, which must be a bool (a numpy bool too)."""
     answer = where(path, leaf)
     if not isinstance(answer, (bool, np.bool_)):

@@ -64,7 +64,7 @@ class ModuleDescription:
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict = attrs.field(factory=dict)
     plans: dict = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
-    narrowed: dict = attrs.field(factory=dict)  # selected names -> the description `selecting` them
+    narrowed: dict[tuple[str, ...], Any] = attrs.field(factory=dict)  # selected names -> the description `selecting` them
 
     @property
     def module(self) -> Any:

@@ -113,8 +113,8 @@ class Scenario:
     rtol: float | None = attrs.field(default=None, kw_only=True)
     atol: float | None = attrs.field(default=None, kw_only=True)
     options: dict = attrs.field(factory=dict, kw_only=True)
-    kwargs: dict = attrs.field(factory=dict, kw_only=True, converter=dict)
-    prep_kwargs: dict | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(dict))
+    kwargs: dict[str, Any] = attrs.field(factory=dict, kw_only=True, converter=dict)
+    prep_kwargs: dict[str, Any] | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(dict))
     # (scenario, function): the expected result is function(scenario's expected result); set by transforms
     derived_from: tuple | None = attrs.field(default=None, kw_only=True)
     _expected: dict = attrs.field(factory=dict, init=False)

@@ -147,15 +147,18 @@ def closurify(scenario: Scenario) -> Scenario:
         it = iter(values)
         return f(*(constants[i] if i in constants else next(it) for i in range(total)), **keywords, **keyword_constants)
 
-    keep = lambda args: None if args is None else tuple(a for a in args if a.kind != "constant")  # noqa: E731
-    keep_named = lambda kw: None if kw is None else {k: a for k, a in kw.items() if a.kind != "constant"}  # noqa: E731
+    def keep(args: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        return None if args is None else tuple(a for a in args if a.kind != "constant")
+
+    def keep_named(kw: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if kw is None else {k: a for k, a in kw.items() if a.kind != "constant"}
     return scenario.derive(
         f=closure,
         args=keep(scenario.args),
         prep_args=keep(scenario.prep_args),
         kwargs=keep_named(scenario.kwargs),
         prep_kwargs=keep_named(scenario.prep_kwargs),
-        name=scenario.name + "+closure",
+        name=f"{scenario.name}+closure",
     )
 
 
