@@ -179,6 +179,7 @@ class Problem:
         self.diff_frameworks: set[str | None] = set()
         self.diff_framework_of: dict[int, str | None] = {}  # flat index -> framework (modules: torch)
         self.module_names: dict[tuple[int, int], list[str]] = {}
+        self.module_unselected: dict[tuple[int, int], list[str]] = {}  # a where= left them out
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
         self.arrays_only = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
@@ -232,8 +233,8 @@ class Problem:
             if not is_candidate:
                 selected.append(None)
             elif arrays.is_torch_module(leaf):
-                names = self.backend.describe_module(leaf).names
-                named = dict(zip(names, self.backend.describe_module(leaf).params))
+                described = self.backend.describe_module(leaf)
+                names, named = described.names, dict(zip(described.names, described.params))
                 prefix = paths[index] + "." if paths[index] else ""
                 if predicate:
                     chosen = [name for name in names if _answer(where, prefix + name, named[name], label)]
@@ -289,6 +290,8 @@ class Problem:
                 described = self.backend.describe_module(leaf)
                 self._described[(position, index)] = described
                 if selection is not None:
+                    # a tangent may name the unselected parameters too (None or zeros there)
+                    self.module_unselected[(position, index)] = [n for n in described.names if n not in selection[index]]
                     described = described.selecting(selection[index])
                     self._described[(position, index)] = described
                 names, params = (described.names, described.params) if kind == "active" else ([], [])
@@ -639,10 +642,12 @@ class Problem:
                     items = [(index, "", sub)]
                 elif role == MODULE:
                     names = self.module_names[(position, index)]
-                    if not isinstance(sub, dict) or sorted(sub) != sorted(names):
+                    unselected = self.module_unselected.get((position, index), [])
+                    if not isinstance(sub, dict) or not (set(names) <= set(sub) <= set(names) | set(unselected)):
+                        masked = f" (selected by where=; the others may be left out)" if unselected else ""
                         raise ValueError(
                             f"activity.{self.op_name}: {label} for a module must be a dict keyed like its "
-                            f"trainable named_parameters(): {names}."
+                            f"trainable named_parameters(){masked}: {names}."
                         )
                     items = [(index, f"[{name!r}]", sub[name]) for name in names]
                 else:

@@ -389,3 +389,38 @@ def test_masked_scenarios_through_every_transform():
 @parametrize([ad.AutoJAX()], lambda: _masked_scenarios())
 def test_the_pytest_plugin_runs_masked_scenarios(activity_case):
     activity_case.check()
+
+
+def test_a_module_tangent_may_name_the_unselected_parameters(assert_tree_close):
+    net, x = _torch_net(), torch.randn(5, 3)
+    where = {"0": False, "2": True}
+    head = {"2.weight": torch.ones(2, 8), "2.bias": torch.ones(2)}
+    expected = ad.pushforward(torch_loss, Active(net, where=where), Constant(x), tangent=head)
+    params = dict(net.named_parameters())
+    raw = torch.func.jvp(
+        lambda w, b: torch.func.functional_call(net, {**params, "2.weight": w, "2.bias": b}, (x,)).pow(2).sum(),
+        (net[2].weight, net[2].bias), (head["2.weight"], head["2.bias"]),
+    )[1]
+    assert_tree_close(expected, raw, rtol=1e-5, atol=1e-5)
+    full = {**head, "0.weight": torch.zeros(8, 3), "0.bias": None}
+    assert_tree_close(ad.pushforward(torch_loss, Active(net, where=where), Constant(x), tangent=full), raw, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"selected by where="):
+        ad.pushforward(torch_loss, Active(net, where=where), Constant(x), tangent={"2.weight": torch.ones(2, 8)})
+
+
+def test_a_module_inside_a_pytree_gets_paths_below_the_tree_path(assert_tree_close):
+    net, x = _torch_net(), torch.randn(5, 3)
+    scale = torch.tensor(1.5)
+    seen = []
+
+    def where(path, leaf):
+        seen.append(path)
+        return path in ("['net'].2.bias", "['scale']")
+
+    f = lambda tree, x: torch_loss(tree["net"], x) * tree["scale"]  # noqa: E731
+    got = ad.gradient(f, Active({"net": net, "scale": scale}, where=where), Constant(x))
+    assert sorted(seen) == sorted(["['net'].0.weight", "['net'].0.bias", "['net'].2.weight", "['net'].2.bias", "['scale']"])
+    scale_leaf = scale.clone().requires_grad_()
+    expected = torch.autograd.grad(torch_loss(net, x) * scale_leaf, [net[2].bias, scale_leaf])
+    assert list(got["net"]) == ["2.bias"]
+    assert_tree_close([got["net"]["2.bias"], got["scale"]], list(expected), rtol=1e-5, atol=1e-5)
