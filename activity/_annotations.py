@@ -80,7 +80,7 @@ class Active(Annotation):
     >>> params = {"w": np.array([1.0, 2.0]), "b": np.array(3.0)}
     >>> ad.gradient(lambda p: (p["w"] * p["b"]).sum(), ad.Active(params, where={"w": True, "b": False}),
     ...             backend=ad.AutoFiniteDifferences())
-    {'b': None, 'w': array([3., 3.])}
+    {'w': array([3., 3.]), 'b': None}
     """
 
     where: Any = attrs.field(default=None, kw_only=True, validator=_check_where)

@@ -34,8 +34,10 @@ WARN_AFTER = 8
 class Prepared:
     """An operator prepared for one call signature. Call it like the operator, without ``f``.
 
-    Arguments may be raw values (they take the prepared kinds) or annotated
-    with the same kinds; ``tangent=``/``cotangent=`` are passed per call.
+    Arguments may be raw values (they take the prepared kinds, and an
+    ``Active``'s prepared ``where=``) or annotated with the same kinds;
+    keyword arguments for ``f`` are passed by name on every call, raw or
+    annotated; ``tangent=``/``cotangent=`` are passed per call.
     """
 
     def __init__(
@@ -464,6 +466,11 @@ def prepare(
     which compiles f with them. Pass values that change as arrays:
     ``Constant(jnp.asarray(scale))`` is traced. AutoJAX warns at prepare of
     static leaves it can tell are mutable.
+
+    Annotated keyword arguments (``scale=Constant(2.0)``) go to ``f`` by name,
+    and the prepared operator takes them by name on every call. An
+    ``Active(x, where=...)`` mask is part of the signature: raw values take
+    the prepared mask; another mask is a mismatch.
 
     A prepared object may be called from several threads at once: each call
     builds its own state (module views, Cache buffers, tapes) and shares only
