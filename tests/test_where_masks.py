@@ -424,3 +424,37 @@ def test_a_module_inside_a_pytree_gets_paths_below_the_tree_path(assert_tree_clo
     expected = torch.autograd.grad(torch_loss(net, x) * scale_leaf, [net[2].bias, scale_leaf])
     assert list(got["net"]) == ["2.bias"]
     assert_tree_close([got["net"]["2.bias"], got["scale"]], list(expected), rtol=1e-5, atol=1e-5)
+
+
+SCALAR_OPS = ["derivative", "value_and_derivative", "second_derivative", "value_derivative_and_second_derivative"]
+ALL_OPS = [*SCALAR_OPS, "gradient", "value_and_gradient", "jacobian", "value_and_jacobian", "pushforward",
+           "value_and_pushforward", "pullback", "value_and_pullback", "hessian", "value_gradient_and_hessian",
+           "hvp", "gradient_and_hvp"]
+
+
+@pytest.mark.parametrize("name", ALL_OPS)
+@pytest.mark.parametrize("backend", [ad.AutoJAX(), ad.AutoFiniteDifferences()], ids=["jax", "fd"])
+def test_every_operator_with_a_mask_equals_the_selected_leaf_as_its_own_argument(name, backend):
+    """The selected leaf `a` through a mask, against `a` passed as its own Active argument and
+    `b` as a Constant: the same numbers, the masked result holding None where `b` is."""
+    from activity._tree import flatten
+
+    a, b = jnp.array(0.7), jnp.array([1.0, -2.0, 0.5])
+    scalar_out = name in ("gradient", "value_and_gradient", "hessian", "value_gradient_and_hessian", "hvp", "gradient_and_hvp")
+    if scalar_out:
+        g = lambda a, b: jnp.sum(jnp.sin(a * b) ** 2)  # noqa: E731
+    else:
+        g = lambda a, b: jnp.sin(a * b)  # noqa: E731
+    op = getattr(ad, name)
+    seeds_own, seeds_masked = {}, {}
+    if name in ("pushforward", "value_and_pushforward", "hvp", "gradient_and_hvp"):
+        seeds_own, seeds_masked = {"tangent": jnp.array(1.0)}, {"tangent": {"a": jnp.array(1.0), "b": None}}
+    if name in ("pullback", "value_and_pullback"):
+        seeds_own = seeds_masked = {"cotangent": jnp.ones(3)}
+    masked = op(lambda p: g(p["a"], p["b"]), Active({"a": a, "b": b}, where={"a": True, "b": False}),
+                backend=backend, **seeds_masked)
+    own = op(g, Active(a), Constant(b), backend=ad.AutoJAX(), **seeds_own)
+    got, expected = flatten(masked)[0], flatten(own)[0]
+    assert len(got) == len(expected)
+    for x, y in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
