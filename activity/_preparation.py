@@ -299,7 +299,7 @@ def _signature_change(old: tuple, new: tuple, values: tuple, problem: Any) -> st
     for position, ((old_kind, old_spec, old_metas, old_mask), (kind, spec, metas, mask)) in enumerate(
         zip(old_args, new_args)
     ):
-        name = problem.label(position)
+        name = f"argument {position}" if position < problem.n_positional else problem.label(position)
         label = f"{name} ({kind.capitalize()})"
         if old_kind != kind:
             changes.append(f"{name}: {old_kind.capitalize()} -> {kind.capitalize()}")

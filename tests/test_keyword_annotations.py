@@ -315,3 +315,10 @@ def test_a_prepared_operator_that_kept_its_keyword_preparation_values_is_caught(
 @parametrize([ad.AutoJAX(), ad.AutoFiniteDifferences()], lambda: _scenarios())
 def test_the_pytest_plugin_runs_keyword_scenarios(activity_case):
     activity_case.check()
+
+
+def test_the_lenient_warning_names_a_keyword_that_keeps_changing():
+    prep = ad.prepare(ad.gradient, loss, Active(X), Constant(D), strict=False, scale=Constant(1.0))
+    with pytest.warns(UserWarning, match=r"keyword argument scale= \(Constant\) at \(the argument itself\): the value"):
+        for value in range(2, 12):
+            prep(X, D, scale=float(value))
