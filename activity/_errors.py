@@ -17,3 +17,30 @@ def add_note(error: BaseException, note: str) -> None:
         error.add_note(note)
     else:  # Python 3.10
         error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+RAISED_BY_F = "(raised by f inside activity."
+"""How the note on an exception raised by the user's ``f`` begins (see `Problem.call`)."""
+
+_JAX_FRAMES_NOTE = "JAX has removed its internal frames"
+
+
+def drop_jax_note(error: BaseException) -> None:
+    """Take off one of activity's own errors what JAX attached to it on its way out of a JAX
+    transform: the note that JAX removed its internal frames (or, with
+    ``JAX_TRACEBACK_FILTERING=remove_frames``, the cause carrying the unfiltered traceback).
+    activity checks f's output while JAX traces f, but the mistake is in the user's call, not
+    inside JAX. An exception raised by f itself keeps what JAX says about it."""
+    notes = getattr(error, "__notes__", None)
+    if notes and any(isinstance(note, str) and note.startswith(RAISED_BY_F) for note in notes):
+        return
+    if notes:
+        kept = [note for note in notes if not (isinstance(note, str) and _JAX_FRAMES_NOTE in note)]
+        if kept:
+            error.__notes__ = kept
+        else:
+            del error.__notes__
+    cause = error.__cause__
+    if cause is not None and type(cause).__name__ == "UnfilteredStackTrace" and type(cause).__module__.startswith("jax"):
+        error.__cause__, error.__context__ = cause.__cause__, cause.__context__
+        error.__suppress_context__ = cause.__suppress_context__

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from . import _arrays as arrays
 from ._annotations import Annotation
-from ._errors import PreparationMismatchError
+from ._errors import PreparationMismatchError, drop_jax_note
 from ._operators._common import (
     Operator,
     Plan,
@@ -19,7 +19,16 @@ from ._operators._common import (
     refuse_annotated_options,
     unannotated_keyword_message,
 )
-from ._problem import Arguments, _describe, _same_meta, kinds_of, parse_call, wheres_of
+from ._problem import (
+    HAS_AUX,
+    Arguments,
+    _describe,
+    _same_meta,
+    kinds_of,
+    module_difference,
+    parse_call,
+    wheres_of,
+)
 from ._tree import flatten, leaf_paths
 from .backends import Backend, find_placeholder, placeholders_allowed
 from .backends._base import SignatureChanged
@@ -92,10 +101,17 @@ class Prepared:
                     return compiled_call.call(*values, **seed_kwargs)
                 except compiled_call.misses:
                     pass  # not the prepared signature: the checked path says what differs, or prepares again
+                except Exception as error:
+                    drop_jax_note(error)
+                    raise
                 finally:
                     if not self._strict:
                         self._local.call = None
-        return self._checked_call(args, seed_kwargs)
+        try:
+            return self._checked_call(args, seed_kwargs)
+        except Exception as error:
+            drop_jax_note(error)
+            raise
 
     def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments followed by the prepared keyword arguments for f, taken out
@@ -338,6 +354,8 @@ def _meta_change(before: tuple, after: tuple) -> str:
             if a != b
         ]
         return ", ".join(parts)
+    if before[0] == after[0] == "module" and before[1] == after[1]:
+        return module_difference(before[2], after[2])
     change = f"{_describe(before)} -> {_describe(after)}"
     if after[0] == "static" and type(after[1]) in (int, float, bool, complex):
         change += (
@@ -499,8 +517,12 @@ def prepare(
     if operator.name not in _HAS_AUX:
         options = {}
     limit = _max_signatures(operator.name, strict, max_signatures)
-    plan, device_pending = _plan(operator, f, arguments, backend, options, op_kwargs)
-    return Prepared(plan, f, strict, options, op_kwargs, values, limit, device_pending)
+    try:
+        plan, device_pending = _plan(operator, f, arguments, backend, options, op_kwargs)
+        return Prepared(plan, f, strict, options, op_kwargs, values, limit, device_pending)
+    except Exception as error:
+        drop_jax_note(error)  # placeholders are traced inside jax.eval_shape
+        raise
 
 
 def _max_signatures(op_name: str, strict: bool, max_signatures: int | None) -> int:
@@ -519,7 +541,7 @@ def _max_signatures(op_name: str, strict: bool, max_signatures: int | None) -> i
     return max_signatures
 
 
-_HAS_AUX = {"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"}
+_HAS_AUX = HAS_AUX
 
 
 def _prepare_options(operator: Operator) -> tuple[str, ...]:

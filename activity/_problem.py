@@ -11,6 +11,8 @@ differentiated leaves, and ``ctx``, everything else that changes per call.
 
 from __future__ import annotations
 
+import collections.abc
+import sys
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -19,7 +21,7 @@ import numpy as np
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
 from ._conventions import adapter_for, is_python_number
-from ._errors import UnsupportedError, add_note
+from ._errors import RAISED_BY_F, UnsupportedError, add_note
 from ._tree import LEAF, flatten, leaf_paths, structure_difference, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
@@ -30,6 +32,36 @@ _WRAPPERS = "Active(x) to differentiate it, Constant(x) for data, or Cache(x) fo
 def a(noun: str) -> str:
     """``noun`` with its indefinite article: "a float", "an Active"."""
     return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
+
+
+def describe_type(value: Any) -> str:
+    """What ``value`` is, in the words of its framework, with its article: "a jax array",
+    "a torch tensor", "a torch.nn.Module (Linear)", "a Python int" (for messages; class
+    names such as ``ArrayImpl`` mean nothing to a user).
+
+    >>> import numpy as np
+    >>> describe_type(np.ones(2)), describe_type(np.float32(1.0)), describe_type(2), describe_type(None)
+    ('a numpy array', 'a numpy float32 scalar', 'a Python int', 'None')
+    """
+    if value is None:
+        return "None"
+    if isinstance(value, np.generic):  # before float: np.float64 is a float
+        return f"a numpy {value.dtype} scalar"
+    if isinstance(value, np.ndarray):
+        return "a numpy array"
+    if isinstance(value, (bool, int, float, complex)):
+        return f"a Python {type(value).__name__}"
+    if arrays.is_jax(value):
+        return "a jax array"
+    if arrays.is_jax_placeholder(value):
+        return "a jax.ShapeDtypeStruct placeholder"
+    if arrays.is_torch(value):
+        return "a torch.nn.Parameter" if isinstance(value, sys.modules["torch"].nn.Parameter) else "a torch tensor"
+    if arrays.is_torch_module(value):
+        cls = type(value)
+        builtin = cls.__module__.startswith("torch.nn.")  # a layer users know by its torch.nn name
+        return f"a torch.nn.{cls.__name__}" if builtin else f"a torch.nn.Module ({cls.__name__})"
+    return a(type(value).__name__)
 
 
 def ordinal(position: int) -> str:
@@ -52,7 +84,7 @@ def parse_call(op_name: str, f: Any, args: Sequence[Any], keywords: dict[str, An
     for name, arg in keywords.items():
         if not isinstance(arg, Annotation) or type(arg) is Annotation:
             raise TypeError(
-                f"activity.{op_name}: the keyword argument {name}= is an unannotated {type(arg).__name__}. "
+                f"activity.{op_name}: the keyword argument {name}= is unannotated: {describe_type(arg)}. "
                 f"A keyword argument for f is annotated too: wrap it as {_WRAPPERS}."
             )
     every = (*args, *keywords.values())
@@ -68,7 +100,7 @@ def parse_arguments(
     if not callable(f):
         raise TypeError(
             f"activity.{op_name}: the first argument must be the function to differentiate, "
-            f"got {type(f).__name__} {f!r:.60}. Call activity.{op_name}(f, Active(x), ...)."
+            f"got {describe_type(f)} {f!r:.60}. Call activity.{op_name}(f, Active(x), ...)."
         )
     every = args if every is None else every
     if not every:
@@ -79,9 +111,13 @@ def parse_arguments(
     for position, arg in enumerate(args):
         if not isinstance(arg, Annotation) or type(arg) is Annotation:
             raise TypeError(
-                f"activity.{op_name}: {ordinal(position)} is an unannotated {type(arg).__name__}. "
+                f"activity.{op_name}: {ordinal(position)} is unannotated: {describe_type(arg)}. "
                 f"Wrap it as {_WRAPPERS}."
             )
+    for position, arg in enumerate(every):
+        if arg.kind == "active" and isinstance(arg.value, collections.abc.Iterator):
+            which = ordinal(position) if position < len(args) else "a keyword argument"
+            raise TypeError(f"activity.{op_name}: {which} is {_active_iterator(arg.value)}")
     kinds = tuple(arg.kind for arg in every)
     if "active" not in kinds:
         raise TypeError(
@@ -89,6 +125,76 @@ def parse_arguments(
             f"Mark the argument(s) to differentiate with Active(x)."
         )
     return kinds, tuple(arg.value for arg in every)
+
+
+def _active_iterator(iterator: Any) -> str:
+    """Why an Active iterator is refused and what to pass: an iterator is consumed by its first
+    reading, and a backend reads its arguments more than once."""
+    code = getattr(iterator, "gi_code", None)
+    frame = getattr(iterator, "gi_frame", None)
+    owner = frame.f_locals.get("self") if frame is not None else None
+    if code is not None and code.co_name in ("parameters", "named_parameters") and arrays.is_torch_module(owner):
+        return (
+            f"Active(model.{code.co_name}()), a generator, which can be read only once. Pass the module "
+            f"itself, Active(model): its trainable parameters are differentiated, and the result is a dict "
+            f"keyed like named_parameters()."
+        )
+    return (
+        f"Active of {describe_type(iterator)}, an iterator, which can be read only once. Pass a list or a "
+        f"tuple (Active(list(values))), or for a torch module's parameters the module itself, Active(model)."
+    )
+
+
+def _nothing_to_differentiate(value: Any, leaves: Sequence[Any]) -> str:
+    """Why an Active argument has nothing to differentiate, and what to do (a message's end)."""
+    modules = [leaf for leaf in leaves if arrays.is_torch_module(leaf)]
+    if modules and any(True for module in modules for _ in module.parameters()):
+        return (
+            f"is Active({type(modules[0]).__name__}), but every parameter of that torch.nn.Module has "
+            f"requires_grad=False; only parameters with requires_grad=True are differentiated. Call "
+            f"model.requires_grad_(True) to differentiate them, or mark it Constant(model)."
+        )
+    if modules:
+        return f"is Active({type(modules[0]).__name__}), a torch.nn.Module without parameters. Mark it Constant(model)."
+    what = describe_type(value) + (f" of dtype {value.dtype}" if arrays.is_array(value) else "")
+    advice = float_advice(value)
+    return (
+        f"is Active but holds no floating-point value to differentiate ({what}). Mark it Constant(...) "
+        + (f"instead, or {advice}." if advice else
+           "instead, or pass float arrays (a Python number inside a pytree is a static hyper-parameter: "
+           "wrap it with jnp.asarray(...) or torch.tensor(...) to differentiate it).")
+    )
+
+
+def float_advice(value: Any) -> str | None:
+    """How to make ``value`` floating point, in its own framework's words (None: no simple way):
+    a Python int is written as a float, an array converted by its own method."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int) and not isinstance(value, np.generic):
+        return f"write it as a float ({float(value)!r}, or float(x))"
+    if arrays.is_torch(value):
+        return "convert it with .float() (or .to(torch.float64))"
+    if arrays.is_array(value):
+        return "convert it with .astype(float)"
+    return None
+
+
+HAS_AUX = frozenset({"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"})
+"""The operators that take ``has_aux=True``."""
+
+
+def _is_scalar(value: Any) -> bool:
+    return (arrays.is_array(value) or isinstance(value, float)) and arrays.shape(value) == ()
+
+
+def _describe_output(value: Any) -> str:
+    """One part of f's output, for messages: "a scalar", "an array of shape (3,)", "a dict"."""
+    if _is_scalar(value):
+        return "a scalar"
+    if arrays.is_array(value):
+        return f"an array of shape {arrays.shape(value)}"
+    return describe_type(value)
 
 
 def array_meta(leaf: Any) -> tuple:
@@ -108,12 +214,58 @@ def _describe(meta: tuple) -> str:
     if meta[0] == "placeholder":
         return f"a placeholder ({meta[1]} of shape {meta[2]} and dtype {meta[3]})"
     if meta[0] == "module":
-        return f"a {meta[1]} module with parameters and buffers {[entry for entry in meta[2] if isinstance(entry, tuple)]}"
+        return f"a {meta[1]} module"  # what differs inside it is `module_difference`'s
     framework, shape, dtype, device = meta
     where = f" on {device}" if device else ""
     if _any_device(meta):
         where = " (prepared from a meta-device placeholder: any device)"
-    return f"a {framework} array of shape {shape} and dtype {dtype}{where}"
+    return f"a {'torch tensor' if framework == 'torch' else framework + ' array'} of shape {shape} and dtype {dtype}{where}"
+
+
+def module_difference(expected: tuple[Any, ...], actual: tuple[Any, ...], module: Any = None, limit: int = 3) -> str:
+    """What differs between two torch module layouts (`describe_module`'s), by parameter and
+    buffer name (the first ``limit`` differences); ``module``, the one of ``actual``, names
+    its submodules when only their types differ."""
+    prepared = {entry[0]: entry for entry in expected if isinstance(entry, tuple)}
+    given = {entry[0]: entry for entry in actual if isinstance(entry, tuple)}
+    changes = []
+    for name, entry in prepared.items():
+        other = given.get(name)
+        if other is None:
+            changes.append(f"{_tensor_kind(entry)} {name!r} is missing")
+        elif len(other) != len(entry):
+            changes.append(f"{name!r} is a {_tensor_kind(other)}, prepared as a {_tensor_kind(entry)}")
+        elif not _same_layout_entry(entry, other):
+            fields = zip(("shape", "dtype", "device", "requires_grad"), entry[1:], other[1:])
+            changed = [
+                f"{field} {_shown(x)}, got {_shown(y)}"
+                for field, x, y in fields
+                if x != y and getattr(x, "type", None) != "meta"  # a meta-device placeholder fixes no device
+            ]
+            changes.append(f"{_tensor_kind(entry)} {name!r}: expected " + "; expected ".join(changed))
+    changes += [f"{_tensor_kind(entry)} {name!r} is new" for name, entry in given.items() if name not in prepared]
+    if not changes:
+        types_e = [entry for entry in expected if isinstance(entry, type)]
+        types_a = [entry for entry in actual if isinstance(entry, type)]
+        names = [name or "(the module itself)" for name, _ in module.named_modules()] if module is not None else []
+        for index, (type_e, type_a) in enumerate(zip(types_e, types_a)):
+            if type_e is not type_a:
+                where = repr(names[index]) if index < len(names) else f"number {index}"
+                changes.append(f"submodule {where} is a {type_a.__name__}, prepared as a {type_e.__name__}")
+        if len(types_e) != len(types_a):
+            changes.append(f"it has {len(types_a)} submodules, prepared with {len(types_e)}")
+    if not changes:
+        return "its parameters and buffers are laid out differently"
+    more = f"; and {len(changes) - limit} more" if len(changes) > limit else ""
+    return "; ".join(changes[:limit]) + more
+
+
+def _tensor_kind(entry: tuple[Any, ...]) -> str:
+    return "parameter" if len(entry) == 5 else "buffer"  # see `describe_module`'s layout
+
+
+def _shown(value: Any) -> str:
+    return str(tuple(value)) if type(value).__name__ == "Size" else str(value)
 
 
 def _any_device(meta: tuple) -> bool:
@@ -318,7 +470,7 @@ class Problem:
                     paths = paths or leaf_paths(value)
                     raise TypeError(
                         f"activity.{self.op_name}: {self.label(position)} is a Cache holding "
-                        f"{a(type(leaf).__name__)} at {paths[index] or 'its root'}. A Cache holds arrays "
+                        f"{describe_type(leaf)} at {paths[index] or 'its root'}. A Cache holds arrays "
                         f"(or a pytree of arrays) that f may overwrite; pass other values as Constant(...)."
                     )
                 role, meta = CACHE, self.backend.array_meta(leaf)
@@ -333,12 +485,7 @@ class Problem:
         if kind == "active" and DIFF not in roles and not any(
             self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
         ):
-            raise TypeError(
-                f"activity.{self.op_name}: {self.label(position)} is Active but holds no floating-point "
-                f"value to differentiate ({type(value).__name__}). Mark it Constant(...) instead, or pass "
-                f"float arrays (a Python number inside a pytree is a static hyper-parameter: wrap it with "
-                f"jnp.asarray(...) or torch.tensor(...) to differentiate it)."
-            )
+            raise TypeError(f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}")
         self.specs.append(spec)
         self.roles.append(tuple(roles))
         self.statics.append(tuple(statics))
@@ -477,6 +624,12 @@ class Problem:
             for index, (meta_e, meta_a) in enumerate(zip(expected[2], actual[2])):
                 if not _same_meta(meta_e, meta_a):
                     path = leaf_paths(value)[index] or "(the argument itself)"
+                    if meta_e[0] == meta_a[0] == "module" and meta_e[1] == meta_a[1]:
+                        module = flatten(value)[0][index]
+                        return (
+                            f"{self.label(position)} at {path}: the {meta_e[1]} module differs from the prepared "
+                            f"one: {module_difference(meta_e[2], meta_a[2], module)}."
+                        )
                     return f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
         return None
 
@@ -505,13 +658,13 @@ class Problem:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise ValueError(
                         f"activity.{op_name}(has_aux=True): f must return a pair (output, aux), got "
-                        f"{type(out).__name__}. Return (output, aux), or drop has_aux=True."
+                        f"{_describe_output(out)}. Return (output, aux), or drop has_aux=True."
                     )
                 out, aux = out
                 aux_dynamic, traced.aux_static = partition(aux)
             else:
                 aux_dynamic = ()  # torch.func accepts only tensors (and containers) as aux
-            ys, traced.out_spec = self.output_leaves(out, scalar)
+            ys, traced.out_spec = self.output_leaves(out, scalar, has_aux=has_aux)
             return ys, aux_dynamic
 
         F.op_name = op_name  # type: ignore[attr-defined]  # for a backend's messages
@@ -529,19 +682,20 @@ class Problem:
                 return f(*values[:n], **dict(zip(self.keywords, values[n:])))
             return f(*values)
         except Exception as error:
-            add_note(error, f"(raised by f inside activity.{self.op_name} with backend {self.backend!r})")
+            add_note(error, f"{RAISED_BY_F}{self.op_name} with backend {self.backend!r})")
             raise
 
-    def output_leaves(self, out: Any, scalar: bool) -> tuple[tuple, Any]:
-        """The array leaves of f's output ``out`` (a float becomes an array) and its structure, checked."""
+    def output_leaves(self, out: Any, scalar: bool, has_aux: bool = False) -> tuple[tuple[Any, ...], Any]:
+        """The array leaves of f's output ``out`` (a float becomes an array) and its structure, checked
+        (``has_aux``: ``out`` is the output part of f's ``(output, aux)``)."""
         if arrays.is_array(out):  # the usual output, without a tree walk
             ys, spec = [out], LEAF
         else:
             ys, spec = flatten(out)
-        self._check_output(out, ys, scalar)
+        self._check_output(out, ys, scalar, has_aux)
         return tuple(map(self.backend.as_array, ys)), spec
 
-    def _check_output(self, out: Any, ys: list, scalar: bool) -> None:
+    def _check_output(self, out: Any, ys: list[Any], scalar: bool, has_aux: bool = False) -> None:
         if not ys:
             raise TypeError(
                 f"activity.{self.op_name}: f returned {out!r:.60}, which holds no array. "
@@ -551,12 +705,20 @@ class Problem:
             if not (arrays.is_array(y) or isinstance(y, float)) or arrays.dtype_kind(y) != "f":
                 where = leaf_paths(out)[index] or "its output"
                 raise TypeError(
-                    f"activity.{self.op_name}: f returned {a(type(y).__name__)} "
+                    f"activity.{self.op_name}: f returned {describe_type(y)} "
                     f"{'of dtype ' + str(y.dtype) + ' ' if hasattr(y, 'dtype') else ''}at {where}; "
                     f"outputs must be floating-point arrays or floats."
                 )
         if scalar and (len(ys) != 1 or arrays.shape(ys[0]) != ()):
+            if not has_aux and self.op_name in HAS_AUX and isinstance(out, tuple) and len(out) == 2 and _is_scalar(out[0]):
+                raise ValueError(
+                    f"activity.{self.op_name} needs f to return a scalar, but it returned a tuple of 2 "
+                    f"(a scalar, {_describe_output(out[1])}). If the second is auxiliary output (returned "
+                    f"alongside, not differentiated), pass has_aux=True; for two outputs, use activity.jacobian."
+                )
             what = f"an array of shape {arrays.shape(ys[0])}" if len(ys) == 1 else f"a pytree of {len(ys)} arrays"
+            if isinstance(out, (tuple, list)) and len(ys) > 1:
+                what = f"a {type(out).__name__} of {len(out)} ({', '.join(map(_describe_output, out[:3]))}{', ...' if len(out) > 3 else ''})"
             raise ValueError(
                 f"activity.{self.op_name} needs f to return a scalar, but it returned {what}. "
                 f"Reduce the output (e.g. .sum() or .mean()), or use activity.jacobian for non-scalar outputs."
@@ -623,7 +785,7 @@ class Problem:
         if len(self.active_positions) > 1 and (not isinstance(parts, (tuple, list)) or len(parts) != len(self.active_positions)):
             raise ValueError(
                 f"activity.{self.op_name}: with {len(self.active_positions)} Active arguments, {what} must be a "
-                f"tuple with one entry per Active argument, got {type(tree).__name__}."
+                f"tuple with one entry per Active argument, got {describe_type(tree)}."
             )
         flat = []
         shapes = iter(zip(self.diff_shapes, self.diff_dtypes, range(len(self.diff_shapes))))
@@ -664,13 +826,13 @@ class Problem:
 
         if not (arrays.is_array(leaf) or isinstance(leaf, (float, int))) or arrays.dtype_kind(leaf) not in "fi":
             raise ValueError(
-                f"activity.{self.op_name}: {where()} is {a(type(leaf).__name__)}; it must be a float array "
+                f"activity.{self.op_name}: {where()} is {describe_type(leaf)}; it must be a float array "
                 f"of shape {shape}."
             )
         if arrays.dtype_kind(leaf) != "f":
+            what = f"has dtype {leaf.dtype}" if arrays.is_array(leaf) else f"is {describe_type(leaf)}"
             raise ValueError(
-                f"activity.{self.op_name}: {where()} has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}; "
-                f"tangents are floating point. Convert it, e.g. with .astype(float)."
+                f"activity.{self.op_name}: {where()} {what}; tangents are floating point: {float_advice(leaf)}."
             )
         if arrays.shape(leaf) != shape:
             raise ValueError(

@@ -594,7 +594,7 @@ def test_torch_meta_tensors_prepare_without_running_f():
         w_leaf = w.clone().requires_grad_()
         (expected,) = torch.autograd.grad(torch.tanh(x @ w_leaf).pow(2).sum(), w_leaf)
         torch.testing.assert_close(prepared(w, x), expected)
-    with pytest.raises(ad.PreparationMismatchError, match=r"argument 1\b.*\(4, 3\).*got a torch array of shape \(5, 3\)"):
+    with pytest.raises(ad.PreparationMismatchError, match=r"argument 1\b.*\(4, 3\).*got a torch tensor of shape \(5, 3\)"):
         prepared(w, torch.ones(5, 3))
     with pytest.raises(TypeError, match=r"argument 0 is a torch tensor on the meta device.*for prepare only"):
         prepared(torch.empty(3, device="meta"), x)
@@ -607,5 +607,5 @@ def test_torch_meta_tangent_and_a_first_call_of_another_shape():
     w, t = torch.tensor([0.1, 0.2, 0.3]), torch.tensor([1.0, -1.0, 2.0])
     torch.testing.assert_close(prepared(w, tangent=t), (torch.cos(w) * t).sum())
     strict = ad.prepare(ad.gradient, f, Active(meta))
-    with pytest.raises(ad.PreparationMismatchError, match=r"\(3,\).*meta-device placeholder.*got a torch array of shape \(4,"):
+    with pytest.raises(ad.PreparationMismatchError, match=r"\(3,\).*meta-device placeholder.*got a torch tensor of shape \(4,"):
         strict(torch.ones(4))

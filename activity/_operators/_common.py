@@ -14,9 +14,9 @@ import difflib
 import attrs
 
 from .. import _arrays as arrays
-from .._errors import UnsupportedError
 from .._annotations import Annotation
-from .._problem import Problem, Traced, a, parse_call
+from .._errors import UnsupportedError, drop_jax_note
+from .._problem import HAS_AUX, Problem, Traced, a, describe_type, float_advice, parse_call
 from .._tree import flatten, leaf_paths
 from ..backends import Backend, resolve_backend
 from ..backends._base import stack_batch
@@ -46,8 +46,6 @@ class Seeds:
 
 
 REGISTRY: dict[str, Operator] = {}
-
-HAS_AUX = frozenset({"gradient", "value_and_gradient", "jacobian", "value_and_jacobian"})
 
 
 def operator_options(operator: Operator) -> tuple[str, ...]:
@@ -82,7 +80,7 @@ def unannotated_keyword_message(
     elif not close and (close := difflib.get_close_matches(name, list(others), n=1)):
         hint = f"Did you mean {close[0]}=? (an option of other operators, such as activity.{others[close[0]]}) "
     return (
-        f"activity.{operator.name} got unexpected keyword argument(s) [{name!r}] ({type(value).__name__}), which "
+        f"activity.{operator.name} got unexpected keyword argument(s) [{name!r}] ({describe_type(value)}), which "
         f"is not annotated, so it is not an argument for f either. {hint}A keyword argument for f is annotated: "
         f"Active(x) to differentiate it, Constant(x) for data, or Cache(x) for scratch space f may overwrite. "
         f"The options{' of activity.prepare' if caller else ''} here are {', '.join(o + '=' for o in options)}."
@@ -139,7 +137,7 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     if not isinstance(batch, (list, tuple)) or len(batch) == 0:
         raise ValueError(
             f"activity.{operator.name}: {many}= must be a non-empty list of {one}s, got "
-            f"{type(batch).__name__} of length {len(batch) if hasattr(batch, '__len__') else '?'}."
+            f"{describe_type(batch)} of length {len(batch) if hasattr(batch, '__len__') else '?'}."
         )
     encoded = [encode(item, f"{many}[{b}]") for b, item in enumerate(batch)]
     specs = {spec for _, spec in encoded if spec is not None}
@@ -154,9 +152,10 @@ def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple, Any]:
         if not (arrays.is_array(leaf) or isinstance(leaf, float)) or arrays.dtype_kind(leaf) != "f":
             path = leaf_paths(tree)[index]
             dtype = f" of dtype {leaf.dtype}" if hasattr(leaf, "dtype") else ""
+            advice = float_advice(leaf)
             raise ValueError(
-                f"activity.{op_name}: {what}{path} is {a(type(leaf).__name__)}{dtype}; a cotangent holds float "
-                f"arrays shaped like f's output. Convert it, e.g. with .astype(float)."
+                f"activity.{op_name}: {what}{path} is {describe_type(leaf)}{dtype}; a cotangent holds float "
+                f"arrays shaped like f's output" + (f": {advice}." if advice else ".")
             )
     return tuple(leaves), spec
 
@@ -201,7 +200,8 @@ class Plan:
                 if role == "module" or (role == "diff" and arrays.shape(leaf) != ()):
                     raise ValueError(
                         f"activity.{self.operator.name} differentiates with respect to scalars, but Active "
-                        f"argument {position} holds {a(type(leaf).__name__)} of shape {arrays.shape(leaf)}. "
+                        f"argument {position} holds {describe_type(leaf)}"
+                        f"{'' if role == 'module' else f' of shape {arrays.shape(leaf)}'}. "
                         f"Use activity.jacobian or activity.pushforward for array inputs."
                     )
 
@@ -238,20 +238,24 @@ def call(
     keywords: dict[str, Any] | None = None,
 ) -> Any:
     """An unprepared call: plan, then run. ``keywords`` are the annotated keyword arguments for f."""
-    if keywords:
-        check_keywords(operator, keywords)
-    if isinstance(backend, Annotation):
-        refuse_annotated_options(operator, {"backend": backend})
-    for given in (options, seed_kwargs):
-        for value in given.values():
-            if isinstance(value, Annotation):
-                refuse_annotated_options(operator, given)
-    arguments = parse_call(operator.name, f, args, keywords)
-    plan = Plan(
-        operator, f, arguments.kinds, arguments.values, backend, options, seed_kwargs,
-        wheres=arguments.wheres, keywords=arguments.keywords,
-    )
-    return plan.run(arguments.values, plan.seeds)
+    try:
+        if keywords:
+            check_keywords(operator, keywords)
+        if isinstance(backend, Annotation):
+            refuse_annotated_options(operator, {"backend": backend})
+        for given in (options, seed_kwargs):
+            for value in given.values():
+                if isinstance(value, Annotation):
+                    refuse_annotated_options(operator, given)
+        arguments = parse_call(operator.name, f, args, keywords)
+        plan = Plan(
+            operator, f, arguments.kinds, arguments.values, backend, options, seed_kwargs,
+            wheres=arguments.wheres, keywords=arguments.keywords,
+        )
+        return plan.run(arguments.values, plan.seeds)
+    except Exception as error:
+        drop_jax_note(error)
+        raise
 
 
 # ------------------------------------------------------------------ pipeline helpers

@@ -7,6 +7,7 @@ import contextvars
 from typing import Any, Iterator
 
 from .. import _arrays as arrays
+from .._problem import describe_type
 from .._tree import flatten, leaf_paths
 from ._base import Backend
 from ._finite_differences import AutoFiniteDifferences
@@ -76,10 +77,15 @@ def resolve_backend(op_name: str, backend: Any, values: tuple[Any, ...]) -> Back
             f"nothing can be computed from them. Pass arrays here."
         )
     if backend is not None:
+        if isinstance(backend, type) and issubclass(backend, Backend):
+            raise TypeError(
+                f"activity.{op_name}: backend must be a backend object such as {_CHOICES}; got the class "
+                f"{backend.__name__} itself: pass backend={backend.__name__}()."
+            )
         if not isinstance(backend, Backend):
             raise TypeError(
                 f"activity.{op_name}: backend must be a backend object such as {_CHOICES}; "
-                f"got {type(backend).__name__} {backend!r:.60}."
+                f"got {describe_type(backend)} {backend!r:.60}."
             )
         for name, where in found.items():
             backend.check_framework(op_name, name, where)

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import _arrays as arrays
 from .._annotations import Annotation
+from .._problem import describe_type
 from .._tree import flatten, unflatten
 from ..backends import resolve_backend
 from ..backends._finite_differences import AutoFiniteDifferences, ReferencePrecisionWarning
@@ -79,7 +80,7 @@ def check(
     """
     for position, arg in enumerate(args):
         if not isinstance(arg, Annotation):
-            raise TypeError(f"check: argument {position} is an unannotated {type(arg).__name__}; wrap it as Active(...) or Constant(...).")
+            raise TypeError(f"check: argument {position} is unannotated: {describe_type(arg)}; wrap it as Active(...) or Constant(...).")
     values = tuple(a.value for a in args)
     if backends is None:
         backends = [resolve_backend("check", None, values)]

@@ -16,6 +16,7 @@ from ._runner import (
     status_before_running,
     UNSUPPORTED,
     _as_list,
+    as_scenarios,
 )
 from ._scenario import Scenario
 
@@ -79,7 +80,7 @@ def plan(
     all, a manifest key that matches no case.
     """
     backends = _as_list(backends)
-    scenarios = list(scenarios() if callable(scenarios) else scenarios)
+    scenarios = as_scenarios(scenarios() if callable(scenarios) and not isinstance(scenarios, Scenario) else scenarios)
     if not backends:
         raise UsageError("backends= is empty: give the backends to test, e.g. backends=[ad.AutoTorch()].")
     if not scenarios:
@@ -87,9 +88,6 @@ def plan(
             "scenarios= is empty (a filter that matches nothing?): give the scenarios to run, "
             "e.g. scenarios=lambda: default_scenarios('torch')."
         )
-    for scenario in scenarios:
-        if not isinstance(scenario, Scenario):
-            raise UsageError(f"scenarios= holds a {type(scenario).__name__}, not a Scenario: {scenario!r:.80}.")
     manifest = Manifest(backends, scenarios, broken=broken, skip=skip)
     planned = []
     for backend in backends:

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import attrs
 
 from .._errors import UnsupportedError
+from .._problem import describe_type
 from ._compare import assert_tree_allclose
 from ._intact import Snapshot
 from ._scenario import Scenario
@@ -158,7 +159,7 @@ class Manifest:
         if not isinstance(entries, Mapping):
             raise UsageError(
                 f"{which}= must be a mapping from (backend, scenario), a backend name or a scenario name to a "
-                f"reason, e.g. {{('AutoTorch', 'gradient-lstm'): 'issue #12'}}; got {type(entries).__name__}."
+                f"reason, e.g. {{('AutoTorch', 'gradient-lstm'): 'issue #12'}}; got {describe_type(entries)}."
             )
         for key, reason in entries.items():
             pair = isinstance(key, tuple) and len(key) == 2 and all(isinstance(k, str) for k in key)
@@ -334,9 +335,25 @@ def _as_list(backends: Any) -> list:
     return list(backends) if isinstance(backends, (list, tuple)) else [backends]
 
 
+def as_scenarios(scenarios: Any) -> list[Scenario]:
+    """``scenarios`` as a list: one `Scenario` alone is a list of one, as one backend is."""
+    if isinstance(scenarios, Scenario):
+        return [scenarios]
+    if isinstance(scenarios, (str, bytes)) or not isinstance(scenarios, Iterable):
+        raise UsageError(
+            f"scenarios must be a Scenario or a list of them (e.g. default_scenarios('jax')), got "
+            f"{describe_type(scenarios)} {scenarios!r:.60}."
+        )
+    found: list[Scenario] = list(scenarios)
+    for scenario in found:
+        if not isinstance(scenario, Scenario):
+            raise UsageError(f"scenarios holds {describe_type(scenario)}, not a Scenario: {scenario!r:.80}.")
+    return found
+
+
 def test_differentiation(
     backends: Any | Iterable[Any],
-    scenarios: Iterable[Scenario],
+    scenarios: Scenario | Iterable[Scenario],
     *,
     reference: Any = None,
     prepared: bool = True,
@@ -348,6 +365,9 @@ def test_differentiation(
     raise_on_failure: bool = True,
 ) -> Report:
     """Run every backend on every scenario it supports, unprepared and prepared.
+
+    ``backends`` and ``scenarios`` are lists, or one backend and one `Scenario`
+    alone (``test_differentiation(ad.AutoJAX(), scenario)``).
 
     Results are compared with each scenario's expected result (``result=``,
     or from ``reference``, finite differences by default); every call must
@@ -377,7 +397,7 @@ def test_differentiation(
     """
     __tracebackhide__ = True
     backends = _as_list(backends)
-    scenarios = list(scenarios)
+    scenarios = as_scenarios(scenarios)
     manifest = Manifest(backends, scenarios, broken=broken, skip=skip)
     names = [backend_name(b) for b in backends]
     outcomes = []

@@ -13,6 +13,7 @@ import numpy as np
 from .. import _arrays as arrays
 from .._annotations import Annotation
 from .._operators._common import operator_of
+from .._problem import describe_type
 from .._tree import flatten, leaf_paths
 
 
@@ -124,7 +125,7 @@ class Scenario:
         for position, arg in enumerate(self.args):
             if not isinstance(arg, Annotation):
                 raise TypeError(
-                    f"Scenario {self.name!r}: argument {position} is an unannotated {type(arg).__name__}; "
+                    f"Scenario {self.name!r}: argument {position} is unannotated: {describe_type(arg)}; "
                     f"wrap it as Active(...), Constant(...) or Cache(...)."
                 )
         for name, arg in {**self.kwargs, **(self.prep_kwargs or {})}.items():
