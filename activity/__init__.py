@@ -33,6 +33,7 @@ from ._operators import (
 )
 from ._preparation import Prepared, prepare
 from .backends import AutoFiniteDifferences, AutoJAX, AutoTorch, Backend, SecondOrder
+from ._mixing import differentiate_with
 
 __version__ = "0.1.0"
 
@@ -65,4 +66,5 @@ __all__ = [
     "value_gradient_and_hessian",
     "hvp",
     "gradient_and_hvp",
+    "differentiate_with",
 ]

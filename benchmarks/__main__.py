@@ -50,6 +50,10 @@ def build_cases(sizes: Sizes, frameworks=("jax", "torch")):
         cases += module.prepared_cases(sizes.mlp_widths, sizes.vector_sizes)
         cases += module.unprepared_cases(sizes.unprepared_widths)
         cases += module.scaling_cases(sizes.scaling_widths)
+    if "jax" in frameworks and "torch" in frameworks:
+        from . import _cases_mixing
+
+        cases += _cases_mixing.cases((sizes.mlp_widths[0], sizes.mlp_widths[-1]))
     from ._cases_masks import mask_cases
 
     cases += mask_cases(tuple(frameworks), sizes.mlp_widths)

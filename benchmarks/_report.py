@@ -348,6 +348,9 @@ def markdown(
             "See [Why not closures](why-not-closures.md).",
             closure_table(closure),
         ]
+    from . import _cases_mixing
+
+    sections += [_cases_mixing.SECTION, measurement_table(by_family(_cases_mixing.MIXING))]
     sections += [
         "## Scaling with the number of parameters",
         "The prepared gradient against the raw compiled call (`jax.jit(jax.grad(f))`, "

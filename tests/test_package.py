@@ -32,7 +32,7 @@ def test_finite_differences_work_with_numpy_only():
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
 def test_example_runs(script):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's activity, not another installed one
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the checkout under test, not an installed copy
     result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()

@@ -1,0 +1,504 @@
+"""`differentiate_with(g, backend)`: call a function of one framework from code another differentiates.
+
+``g`` runs in its own framework (torch, numpy/SciPy, JAX); its derivatives come
+from ``backend`` through the library's own operators (`pullback`, `pushforward`),
+prepared once per signature. The caller's framework sees one function:
+
+- in JAX, a ``jax.custom_vjp`` around ``jax.pure_callback`` calls (reverse mode),
+  or a ``jax.custom_jvp`` when the call is being differentiated in forward mode;
+- in PyTorch, a ``torch.autograd.Function`` (``backward``, ``jvp`` and ``vmap``).
+
+Each derivative is itself such a function of its inputs (the pullback of ``g`` is a
+function of the point and the cotangent), so the caller's framework can
+differentiate it again: that is how second order works.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import _arrays as arrays
+from ._annotations import Active, Annotation, Cache, Constant
+from ._errors import UnsupportedError, add_note
+from ._tree import flatten, unflatten
+
+MAX_ORDER = 2
+"""The highest order of derivative `differentiate_with` provides (a Hessian through ``h``)."""
+
+MAX_SIGNATURES = 32
+"""How many argument signatures one ``h`` keeps prepared operators for (least recently used dropped)."""
+
+_KINDS = ("active", "constant", "cache")
+_WRAPPERS: dict[str, type[Annotation]] = {"active": Active, "constant": Constant, "cache": Cache}
+
+
+# ------------------------------------------------------------------ inner functions
+
+
+class _Node:
+    """A function of the inner framework over flat leaves, ``fn(diff, data, cache) -> outputs``.
+
+    ``diff`` are the differentiated (floating) leaves, ``data`` the Constant array leaves
+    and ``cache`` the Cache leaves; outputs are the floating output leaves. `pushed` and
+    `pulled` are its derivatives as nodes of the same kind, whose ``diff`` is
+    ``diff + tangents`` and ``diff + cotangents``.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]],
+        out_avals: tuple[tuple[tuple[int, ...], str], ...],
+        order: int,
+        owner: "_Mixed",
+        label: str,
+    ):
+        self.fn = fn
+        self.out_avals = out_avals
+        self.order = order
+        self.owner = owner
+        self.label = label
+        self.how: str | None = None  # for a derivative: "push" or "pull" of `parent`,
+        self.parent: _Node | None = None  # whose first `n_base` diff leaves are the point
+        self.n_base = 0
+        self._prepared: OrderedDict[tuple[Any, ...], tuple[Any, tuple[int, ...]]] = OrderedDict()
+        self._derived: dict[str, _Node] = {}
+        self._lock = threading.Lock()
+
+    def derived(self, how: str, diff_avals: tuple[Any, ...]) -> "_Node":
+        """The pushforward (``how="push"``) or pullback (``"pull"``) of this node, as a node."""
+        with self._lock:
+            node = self._derived.get(how)
+        if node is not None:
+            return node
+        order = self.order + 1
+        backend = self.owner.backend
+        if order > MAX_ORDER:
+            raise UnsupportedError(
+                f"activity.differentiate_with({self.owner.name}, {backend!r}): derivatives of order {order} "
+                f"are not supported; differentiate_with provides first and second derivatives only "
+                f"(the outer transform asked for the {_ordinal(order)} derivative of g)."
+            )
+        if how == "pull" and self.order >= 1 and _framework_of(backend) == "torch":
+            raise UnsupportedError(
+                f"activity.differentiate_with({self.owner.name}, {backend!r}): second-order reverse-over-reverse "
+                f"(a pullback of the {self.label}) is not supported on AutoTorch, whose pullbacks are "
+                f"not differentiable again in reverse mode from outside torch. Differentiate the first "
+                f"derivative in forward mode instead: jax.hessian (forward-over-reverse) or jax.jacfwd."
+            )
+        n_diff = len(diff_avals)
+        if how == "push":
+
+            def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
+                return tuple(self.call("pushforward", diff[:n_diff], data, cache, tangent=tuple(diff[n_diff:])))
+
+            node = _Node(fn, self.out_avals, order, self.owner, f"pushforward of {self.label}")
+        else:
+
+            def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
+                return tuple(self.call("pullback", diff[:n_diff], data, cache, cotangent=tuple(diff[n_diff:])))
+
+            node = _Node(fn, diff_avals, order, self.owner, f"pullback of {self.label}")
+        node.how, node.parent, node.n_base = how, self, n_diff
+        with self._lock:
+            return self._derived.setdefault(how, node)
+
+    def call(self, op_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...], **seed: Any) -> Any:
+        """``op(fn, Active(diff), Constant(data), Cache(cache), **seed)`` on the inner backend,
+        prepared once per signature of leaves (and tangent batch size)."""
+        ((seed_name, seed_value),) = seed.items()
+        key = (
+            op_name,
+            seed_name,
+            len(seed_value) if seed_name[-1] == "s" else None,
+            tuple([(leaf.shape, leaf.dtype) for leaf in diff]),
+            tuple([(leaf.shape, leaf.dtype) for leaf in data]),
+            tuple([(leaf.shape, leaf.dtype) for leaf in cache]),
+        )
+        found = self._prepared.get(key)  # read without the lock: a dict lookup is atomic
+        if found is None:
+            found = self._prepare(key, op_name, diff, data, cache, seed)
+        prepared, present = found
+        groups = (diff, data, cache)
+        return prepared(*(groups[index] for index in present), **seed)
+
+    def _prepare(self, key: tuple[Any, ...], op_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...],
+                 seed: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+        import activity
+
+        groups = (diff, data, cache)
+        present = tuple(index for index, group in enumerate(groups) if group)
+
+        def grouped(*values: tuple[Any, ...]) -> tuple[Any, ...]:
+            given: list[tuple[Any, ...]] = [(), (), ()]
+            for index, value in zip(present, values):
+                given[index] = value
+            return self.fn(*given)
+
+        op = getattr(activity, op_name)
+        annotated = [_WRAPPERS[_KINDS[index]](groups[index]) for index in present]
+        prepared = activity.prepare(op, grouped, *annotated, backend=self.owner.backend, **seed)
+        with self._lock:
+            self._prepared[key] = (prepared, present)
+            while len(self._prepared) > MAX_SIGNATURES:
+                self._prepared.popitem(last=False)  # the oldest prepared first
+        return prepared, present
+
+def _ordinal(n: int) -> str:
+    return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
+
+
+def _leaf_meta(leaf: Any) -> tuple[Any, ...]:
+    """Shape and dtype: the same for a concrete array and JAX's tracers of it, so a signature
+    is shared by eager calls and every transform."""
+    return tuple(arrays.shape(leaf)), str(getattr(leaf, "dtype", type(leaf)))
+
+
+def _framework_of(backend: Any) -> str:
+    """The framework ``backend`` differentiates in: ``"torch"``, ``"jax"`` or ``"numpy"``."""
+    from .backends import SecondOrder
+
+    if isinstance(backend, SecondOrder):
+        return _framework_of(backend.inner)
+    return getattr(backend, "framework", None) or "numpy"
+
+
+# ------------------------------------------------------------------ array crossings
+
+
+def _to_inner(leaf: Any, framework: str) -> Any:
+    """A caller's array as the inner framework's, sharing memory where both sides allow (DLPack)."""
+    if framework == "torch":
+        import torch
+
+        if arrays.is_torch(leaf):
+            return leaf.detach()
+        if arrays.is_jax(leaf) and leaf.dtype != np.dtype(bool):
+            return torch.utils.dlpack.from_dlpack(leaf)
+        return torch.from_numpy(np.array(leaf))  # bool and numpy: one copy
+    if framework == "jax":
+        import jax
+
+        if arrays.is_jax(leaf):
+            return leaf
+        if arrays.is_torch(leaf):
+            tensor = leaf.detach()
+            if tensor.is_contiguous() and tensor.dtype != _torch().bool:
+                return jax.dlpack.from_dlpack(tensor)
+            return jax.numpy.asarray(tensor.cpu().numpy())  # non-contiguous or bool: one copy
+        return jax.numpy.asarray(leaf)
+    if arrays.is_torch(leaf):
+        return leaf.detach().cpu().numpy()  # shares memory on CPU
+    return np.asarray(leaf)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _to_numpy(leaf: Any, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """An inner result as a numpy array of the shape and dtype announced to JAX."""
+    if not isinstance(leaf, np.ndarray) and arrays.is_torch(leaf):
+        tensor = leaf.detach().cpu()
+        if tensor.dtype == _torch().bfloat16:  # numpy has no bfloat16 of torch's: through float32
+            tensor = tensor.float()
+        leaf = tensor.numpy()
+    out = leaf if isinstance(leaf, np.ndarray) and leaf.dtype == dtype else np.asarray(leaf, dtype=dtype)
+    if out.shape != shape:
+        out = np.broadcast_to(out, shape)
+    return out
+
+
+# ------------------------------------------------------------------ the user-facing function
+
+
+class _Mixed:
+    """What `differentiate_with` returns: ``g`` callable from another framework's code."""
+
+    def __init__(self, g: Callable[..., Any], backend: Any, has_aux: bool):
+        self.g = g
+        self.backend = backend
+        self.has_aux = has_aux
+        self.name = getattr(g, "__name__", None) or type(g).__name__
+        self.inner = _framework_of(backend)
+        self._signatures: OrderedDict[tuple[Any, ...], _Signature] = OrderedDict()
+        self._lock = threading.Lock()
+        self.__doc__ = getattr(g, "__doc__", None)
+        self.__wrapped__ = g
+
+    def __repr__(self) -> str:
+        return f"activity.differentiate_with({self.name}, {self.backend!r})"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        parsed = _parse(args, kwargs, self.name)
+        outer = _outer_framework(parsed, self)
+        if outer == "jax":
+            from . import _mixing_jax
+
+            return _mixing_jax.call(self, parsed)
+        from . import _mixing_torch
+
+        return _mixing_torch.call(self, parsed)
+
+    def signature(self, parsed: "_Parsed", make: Callable[[], "_Signature"]) -> "_Signature":
+        key = parsed.key()
+        with self._lock:
+            found = self._signatures.get(key)
+            if found is not None:
+                self._signatures.move_to_end(key)
+                return found
+        made = make()
+        with self._lock:
+            self._signatures[key] = made
+            while len(self._signatures) > MAX_SIGNATURES:
+                self._signatures.popitem(last=False)
+        return made
+
+    def noted(self, error: BaseException) -> BaseException:
+        if not getattr(error, "_activity_mixing_noted", False):
+            add_note(
+                error,
+                f"(raised inside activity.differentiate_with({self.name}, {self.backend!r}): g runs in "
+                f"{self.inner} with derivatives from {type(self.backend).__name__})",
+            )
+            try:
+                error._activity_mixing_noted = True  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        return error
+
+
+class _Parsed:
+    """The call's arguments split into leaves: differentiated, data, scratch, and static."""
+
+    def __init__(self, entries: list[tuple[str | int, str, Any]]):
+        self.entries = entries  # (position or keyword name, kind, value)
+        self.specs: list[Any] = []
+        self.roles: list[list[str]] = []  # per entry, per leaf: diff, data, cache, static
+        self.diff: list[Any] = []
+        self.data: list[Any] = []
+        self.cache: list[Any] = []
+        self.static: list[Any] = []
+        for _, kind, value in entries:
+            leaves, spec = flatten(value)
+            self.specs.append(spec)
+            roles = []
+            for leaf in leaves:
+                role = _role(kind, leaf)
+                roles.append(role)
+                getattr(self, role).append(leaf)
+            self.roles.append(roles)
+        # where each argument's leaves come from: (group, index) with groups diff, data, cache, static
+        counters = dict.fromkeys(("diff", "data", "cache", "static"), 0)
+        group_of = {"diff": 0, "data": 1, "cache": 2, "static": 3}
+        self._places: list[tuple[str | int, Any, list[tuple[int, int]]]] = []
+        for (name, _, _), spec, roles in zip(entries, self.specs, self.roles):
+            places = []
+            for role in roles:
+                places.append((group_of[role], counters[role]))
+                counters[role] += 1
+            self._places.append((name, None if spec.num_nodes == 1 and len(roles) == 1 else spec, places))
+
+    def key(self) -> tuple[Any, ...]:
+        statics = tuple(_static_key(leaf) for leaf in self.static)
+        return (
+            tuple((name, kind) for name, kind, _ in self.entries),
+            tuple(self.specs),
+            tuple(tuple(roles) for roles in self.roles),
+            tuple(_leaf_meta(leaf) for leaf in (*self.diff, *self.data, *self.cache)),
+            statics,
+        )
+
+    def rebuild(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> tuple[list[Any], dict[str, Any]]:
+        """g's positional and keyword arguments from new leaves (statics as given)."""
+        groups = (diff, data, cache, self.static)
+        positional: list[Any] = []
+        keywords: dict[str, Any] = {}
+        for name, spec, places in self._places:
+            if spec is None:  # the argument is one leaf
+                group, index = places[0]
+                value = groups[group][index]
+            else:
+                value = unflatten(spec, [groups[group][index] for group, index in places])
+            if isinstance(name, int):
+                positional.append(value)
+            else:
+                keywords[name] = value
+        return positional, keywords
+
+
+def _role(kind: str, leaf: Any) -> str:
+    if not arrays.is_array(leaf) or arrays.is_torch_module(leaf):
+        return "static"
+    if kind == "active":
+        return "diff" if arrays.dtype_kind(leaf) == "f" else "data"
+    return "data" if kind == "constant" else "cache"
+
+
+def _static_key(leaf: Any) -> Any:
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("id", id(leaf))
+    return (type(leaf), leaf) if isinstance(leaf, (int, float, str, bool, type(None))) else ("id", id(leaf))
+
+
+def _parse(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> _Parsed:
+    entries: list[tuple[str | int, str, Any]] = []
+    located: list[tuple[str | int, Any]] = [*enumerate(args), *kwargs.items()]
+    for where, value in located:
+        if isinstance(value, Annotation):
+            kind = type(value).__name__.lower()
+            entries.append((where, kind, value.value))
+        else:
+            entries.append((where, "active", value))
+    return _Parsed(entries)
+
+
+def _outer_framework(parsed: _Parsed, mixed: _Mixed) -> str:
+    found = set()
+    for leaf in (*parsed.diff, *parsed.data, *parsed.cache):
+        if arrays.is_jax(leaf) or _is_jax_tracer(leaf):
+            found.add("jax")
+        elif arrays.is_torch(leaf):
+            found.add("torch")
+    if len(found) == 1:
+        return found.pop()
+    if not found:
+        raise TypeError(
+            f"{mixed!r} was called without a JAX array or torch tensor among its arguments. It is called from "
+            f"JAX code with JAX arrays, or from torch code with torch tensors; to run g on numpy arrays, "
+            f"call g itself."
+        )
+    raise TypeError(
+        f"{mixed!r} was called with both JAX arrays and torch tensors. Pass the arrays of the framework "
+        f"that calls it (it converts them for g itself)."
+    )
+
+
+def _is_jax_tracer(leaf: Any) -> bool:
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(leaf, jax.core.Tracer)
+
+
+class _Signature:
+    """What one argument signature needs: the level-one node and the output layout."""
+
+    def __init__(self, mixed: _Mixed, parsed: _Parsed):
+        self.mixed = mixed
+        self.parsed = parsed
+        self.out_spec: Any = None
+        self.aux_spec: Any = None
+        self.out_avals: tuple[Any, ...] = ()
+        self.aux_avals: tuple[Any, ...] = ()
+        self.out_float: tuple[bool, ...] = ()
+        self.node: _Node | None = None
+
+    def learn(self, outputs: Any) -> None:
+        """Record the layout of ``g``'s (inner-framework) result."""
+        out, aux = outputs if self.mixed.has_aux else (outputs, None)
+        out_leaves, self.out_spec = flatten(out)
+        aux_leaves, self.aux_spec = flatten(aux)
+        for leaf in (*out_leaves, *aux_leaves):
+            if not arrays.is_array(leaf) and not isinstance(leaf, (int, float, bool)):
+                raise TypeError(
+                    f"{self.mixed!r}: g returned a {type(leaf).__name__} leaf; g's output (and aux) must be "
+                    f"arrays, numbers or pytrees of them, so they can cross to the caller's framework."
+                )
+        self.out_avals = tuple(_aval(leaf) for leaf in out_leaves)
+        self.aux_avals = tuple(_aval(leaf) for leaf in aux_leaves)
+        self.out_float = tuple(_floating(dtype) for _, dtype in self.out_avals)
+        float_avals = tuple(a for a, f in zip(self.out_avals, self.out_float) if f)
+        self.node = _Node(self._differentiable, float_avals, 0, self.mixed, "g")
+
+    def run(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> Any:
+        """``g`` on inner-framework leaves, its exceptions noted."""
+        positional, keywords = self.parsed.rebuild(diff, data, cache)
+        try:
+            return self.mixed.g(*positional, **keywords)
+        except Exception as error:
+            raise self.mixed.noted(error)
+
+    def run_value(self, diff: Sequence[Any], data: Sequence[Any], cache: Sequence[Any]) -> Any:
+        """``g`` for its value only: torch records no graph (the derivatives run g again)."""
+        if self.mixed.inner != "torch":
+            return self.run(diff, data, cache)
+        import torch
+
+        with torch.no_grad():
+            return self.run(diff, data, cache)
+
+    def split(self, outputs: Any) -> tuple[list[Any], list[Any]]:
+        if not self.mixed.has_aux:
+            out_leaves, spec = flatten(outputs)
+            if spec == self.out_spec:
+                return out_leaves, []
+            aux_leaves: list[Any] = []
+            aux_spec = self.aux_spec
+        else:
+            out, aux = outputs
+            out_leaves, spec = flatten(out)
+            aux_leaves, aux_spec = flatten(aux)
+        if spec != self.out_spec or aux_spec != self.aux_spec:
+            raise ValueError(
+                f"{self.mixed!r}: g's output changed structure between calls with the same argument "
+                f"signature ({self.out_spec} before, {spec} now); g must return the same structure."
+            )
+        return out_leaves, aux_leaves
+
+    def _differentiable(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
+        out_leaves, _ = self.split(self.run(diff, data, cache))
+        return tuple(leaf for leaf, floating in zip(out_leaves, self.out_float) if floating)
+
+
+def _floating(dtype: str) -> bool:
+    """Whether a dtype (by name) is floating, the ml_dtypes ones (bfloat16, float8_*) included."""
+    kind = np.dtype(dtype).kind
+    return kind == "f" or (kind == "V" and arrays._is_ml_float(np.dtype(dtype)))
+
+
+def _aval(leaf: Any) -> tuple[tuple[int, ...], str]:
+    if arrays.is_torch(leaf):
+        return tuple(leaf.shape), str(leaf.dtype).removeprefix("torch.")
+    array = np.asarray(leaf)
+    return tuple(array.shape), str(array.dtype)
+
+
+def differentiate_with(g: Callable[..., Any], backend: Any, *, has_aux: bool = False) -> Callable[..., Any]:
+    """``g`` made callable from code another framework differentiates, its derivatives from ``backend``.
+
+    ``h = differentiate_with(g, backend)`` takes and returns the caller's arrays
+    (JAX arrays inside ``jax.grad``/``jit``/``vmap``/``jvp``; torch tensors under
+    ``loss.backward()``/``torch.autograd.grad``), converts them for ``g``'s own
+    framework (by DLPack, without a copy where both sides allow), runs ``g``, and
+    supplies derivatives through ``backend``'s `pullback` and `pushforward`,
+    prepared once per signature. Arguments may be annotated like an operator's:
+    ``h(Active(x), Constant(c))`` passes ``c`` as data (never differentiated);
+    plain values are Active; a `Cache` is scratch space for ``g``. With
+    ``has_aux=True``, ``g`` returns ``(output, aux)`` and ``h`` does too; ``aux`` is
+    not differentiated. First and second derivatives are supported (see the
+    "Mixing frameworks" page for which transforms and their limits); a higher
+    order raises `UnsupportedError`.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> import activity as ad
+    >>> h = ad.differentiate_with(lambda x: np.sum(np.sin(x)), ad.AutoFiniteDifferences())
+    >>> np.round(jax.grad(h)(jnp.array([0.0, np.pi])), 6)
+    Array([ 1., -1.], dtype=float32)
+    """
+    from .backends import Backend
+
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"activity.differentiate_with(g, backend): backend must be an activity backend "
+            f"(AutoTorch(), AutoJAX(), AutoFiniteDifferences(), ...), got {backend!r}."
+        )
+    if not callable(g):
+        raise TypeError(f"activity.differentiate_with(g, backend): g must be callable, got {type(g).__name__}.")
+    return _Mixed(g, backend, has_aux)
