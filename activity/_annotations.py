@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
+import numpy as np
 
 # Covariant: an annotation only holds its value, so an Active[Linear] is an Active[Module].
 T = TypeVar("T", covariant=True)
@@ -16,6 +17,34 @@ def _refuse_nesting(instance: Any, attribute: Any, value: Any) -> None:
             f"{type(instance).__name__}({type(value).__name__}(...)) nests two annotations; "
             f"an argument has exactly one kind. Write {type(value).__name__}(x) or "
             f"{type(instance).__name__}(x), not both."
+        )
+
+
+def is_predicate(where: Any) -> bool:
+    """Whether a ``where`` is a callable ``(path, leaf) -> bool``, not a pytree of bools (an
+    Equinox module is callable and a pytree: as a mask it is a filter spec)."""
+    from ._tree import flatten
+
+    return callable(where) and flatten(where)[1].is_leaf()
+
+
+def _check_where(instance: Any, attribute: Any, where: Any) -> None:
+    if where is None or is_predicate(where):
+        return
+    from ._tree import flatten, leaf_paths
+
+    leaves, _ = flatten(where)
+    for index, leaf in enumerate(leaves):
+        if not isinstance(leaf, (bool, np.bool_)):
+            raise TypeError(
+                f"Active(..., where=...) takes a callable (path, leaf) -> bool or a pytree of bools, but "
+                f"where holds {type(leaf).__name__} {leaf!r:.40} at {leaf_paths(where)[index] or 'its root'}. "
+                f"Use True to differentiate a part and False to keep it constant."
+            )
+    if not leaves:
+        raise TypeError(
+            "Active(..., where=...) got a mask with no bool in it, so it selects nothing. Mark the "
+            "argument Constant(...) if nothing in it is differentiated."
         )
 
 
@@ -39,8 +68,16 @@ class Active(Annotation[T]):
     ``torch.nn.Module`` (its trainable parameters are differentiated).
     Non-floating leaves pass through and get ``None`` in the result.
 
+    ``where`` differentiates only part of the value: a callable
+    ``(path, leaf) -> bool`` (``path`` as printed in messages, e.g. ``"['w']"``,
+    or ``"0.weight"`` for a torch module's parameter, named like
+    ``named_parameters()``), or a pytree of bools with a prefix of the value's
+    structure. The other leaves are Constant leaves: used, never
+    differentiated, ``None`` in the result (absent from a module's dict).
+
     Args:
         value: the argument's value: a float scalar, an array, a pytree of them, or a module.
+        where: the part of ``value`` to differentiate (None: all of it), as above.
 
     Raises:
         TypeError: ``value`` is itself an annotation (``Active(Constant(x))``).
@@ -50,9 +87,19 @@ class Active(Annotation[T]):
     >>> ad.gradient(lambda x: (x**2).sum(), ad.Active(np.array([1.0, 2.0])),
     ...             backend=ad.AutoFiniteDifferences())
     array([2., 4.])
+    >>> params = {"w": np.array([1.0, 2.0]), "b": np.array(3.0)}
+    >>> ad.gradient(lambda p: (p["w"] * p["b"]).sum(), ad.Active(params, where={"w": True, "b": False}),
+    ...             backend=ad.AutoFiniteDifferences())
+    {'w': array([3., 3.]), 'b': None}
     """
 
+    where: Any = attrs.field(default=None, kw_only=True, validator=_check_where)
     kind: ClassVar[str] = "active"
+
+    def __repr__(self) -> str:
+        if self.where is None:
+            return f"Active({self.value!r})"
+        return f"Active({self.value!r}, where={self.where!r})"
 
 
 @attrs.frozen(repr=False)

@@ -10,8 +10,25 @@ from typing import Any, Callable, Generic, ParamSpec, Sequence, TypeVar, overloa
 from . import _arrays as arrays
 from ._annotations import Annotation
 from ._errors import PreparationMismatchError, drop_jax_note
-from ._operators._common import Operator, Plan, encode_seeds, operator_of
-from ._problem import HAS_AUX, _describe, _same_meta, kinds_of, module_difference, parse_arguments
+from ._operators._common import (
+    Operator,
+    Plan,
+    encode_seeds,
+    operator_of,
+    operator_options,
+    refuse_annotated_options,
+    unannotated_keyword_message,
+)
+from ._problem import (
+    HAS_AUX,
+    Arguments,
+    _describe,
+    _same_meta,
+    kinds_of,
+    module_difference,
+    parse_call,
+    wheres_of,
+)
 from ._tree import flatten, leaf_paths
 from .backends import Backend, find_placeholder, placeholders_allowed
 from .backends._base import SignatureChanged
@@ -33,8 +50,10 @@ class Prepared(Generic[R]):
     arguments (``prepare(gradient, f, Active(x), ...)`` on a ``jax.Array`` is a
     ``Prepared[jax.Array]``).
 
-    Arguments may be raw values (they take the prepared kinds) or annotated
-    with the same kinds; ``tangent=``/``cotangent=`` are passed per call.
+    Arguments may be raw values (they take the prepared kinds, and an
+    ``Active``'s prepared ``where=``) or annotated with the same kinds;
+    keyword arguments for ``f`` are passed by name on every call, raw or
+    annotated; ``tangent=``/``cotangent=`` are passed per call.
     Made by `prepare`, not constructed directly.
 
     Attributes:
@@ -67,6 +86,7 @@ class Prepared(Generic[R]):
         self._local = threading.local()  # strict=False: this thread's call, while the compiled call runs
         self.operator: str = plan.operator.name
         self.backend: Backend = plan.backend
+        self._keywords = plan.problem.keywords  # f's keyword arguments, taken by name per call
         self._new_signatures = 0  # plans made after prepare, for the warning
         self._warned = False
         self._compiled_signatures = 1  # signatures traced into the compiled call
@@ -79,13 +99,17 @@ class Prepared(Generic[R]):
         return f"<prepared activity.{self.operator} on {self.backend!r}, strict={self._strict}>"
 
     def __call__(self, *args: Any, **seed_kwargs: Any) -> R:
+        if self._keywords:
+            args = self._with_keywords(args, seed_kwargs)
         compiled_call = self._compiled_call
         if compiled_call is not None:
             values: tuple[Any, ...] | None = args
             for arg in args:  # a loop, not any(...): this path is timed against raw jax.jit calls
                 if isinstance(arg, Annotation):
-                    kinds, values = kinds_of(args, self._plan.problem.kinds)
-                    values = values if kinds == self._plan.problem.kinds else None
+                    problem = self._plan.problem
+                    kinds, values = kinds_of(args, problem.kinds)
+                    same = kinds == problem.kinds and all(a is b for a, b in zip(wheres_of(args, problem.wheres), problem.wheres))
+                    values = values if same else None
                     break
             if values is not None:
                 if not self._strict:
@@ -106,23 +130,44 @@ class Prepared(Generic[R]):
             drop_jax_note(error)
             raise
 
+    def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The positional arguments followed by the prepared keyword arguments for f, taken out
+        of ``kwargs`` by name (what is left are the tangent keywords)."""
+        missing = [name for name in self._keywords if name not in kwargs]
+        if missing:
+            raise TypeError(
+                f"prepared activity.{self.operator}: missing the keyword argument(s) "
+                f"{', '.join(name + '=' for name in missing)} for f; it was prepared with "
+                f"{', '.join(name + '=' for name in self._keywords)}. Pass each by name, raw or annotated."
+            )
+        return (*args, *(kwargs.pop(name) for name in self._keywords))
+
     def _checked_call(self, args: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
         plan = self._plan
         problem = plan.problem
+        extra = [name for name, value in seed_kwargs.items() if isinstance(value, Annotation)]
+        if extra:
+            raise PreparationMismatchError(
+                f"prepared activity.{self.operator}: called with the keyword argument(s) "
+                f"{', '.join(name + '=' for name in extra)} for f, which it was not prepared with"
+                f"{' (prepared with ' + ', '.join(n + '=' for n in self._keywords) + ')' if self._keywords else ''}. "
+                f"Prepare again with them."
+            )
         if len(args) != len(problem.kinds):
             raise PreparationMismatchError(
-                f"prepared activity.{self.operator}: prepared with {len(problem.kinds)} argument(s) after f, "
-                f"called with {len(args)}. Pass the same arguments in the same order."
+                f"prepared activity.{self.operator}: prepared with {problem.n_positional} argument(s) after f, "
+                f"called with {len(args) - len(self._keywords)}. Pass the same arguments in the same order."
             )
         kinds, values = kinds_of(args, problem.kinds)
+        wheres = wheres_of(args, problem.wheres)
         if self._device_pending or not self._strict:
             self._refuse_placeholders(values, seed_kwargs)
-        if self._device_pending and problem.explain_mismatch(values, kinds) is None:
-            plan = self._prepare_for_devices(kinds, values, seed_kwargs)
+        if self._device_pending and problem.explain_mismatch(values, kinds, wheres) is None:
+            plan = self._prepare_for_devices(kinds, values, seed_kwargs, wheres)
             problem = plan.problem
         if not self._strict:
-            plan = self._plan_for(kinds, values, seed_kwargs)
-            if kinds == self._plan.problem.kinds:
+            plan = self._plan_for(kinds, values, seed_kwargs, wheres)
+            if kinds == self._plan.problem.kinds and wheres == self._plan.problem.wheres:
                 compiled = self._recompile_if_full(plan, values, seed_kwargs)
                 if compiled is not None:
                     try:
@@ -135,11 +180,11 @@ class Prepared(Generic[R]):
         except (TypeError, ValueError):
             self._refuse_placeholders((), seed_kwargs)  # a placeholder tangent is said to be one
             raise
-        split = problem.split(values, kinds)
+        split = problem.split(values, kinds, wheres)
         mismatch = None
         if split is None:
             self._refuse_placeholders(values, seed_kwargs)
-            mismatch = problem.explain_mismatch(values, kinds) or "the arguments differ from the prepared ones."
+            mismatch = problem.explain_mismatch(values, kinds, wheres) or "the arguments differ from the prepared ones."
         elif seeds is not None and seeds.key != plan.seed_key:
             mismatch = _seed_mismatch(plan.seed_key, seeds.key, plan.operator.seed)
         if mismatch is not None:
@@ -170,9 +215,9 @@ class Prepared(Generic[R]):
                 f"prepared operator with arrays of the prepared shapes and dtypes."
             )
 
-    def _prepare_for_devices(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Plan:
+    def _prepare_for_devices(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], wheres: tuple[Any, ...]) -> Plan:
         """The first call after preparing from meta-device tensors: prepared again for its devices."""
-        plan = Plan(self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared")
+        plan = self._make_plan(kinds, values, seed_kwargs, wheres)
         plan.compile()
         compiled = self._compile(plan, values, seed_kwargs)
         with self._lock:
@@ -187,14 +232,16 @@ class Prepared(Generic[R]):
         signature's plan (``strict=False``), until the compiled call holds `max_signatures`
         (see `_recompile_if_full`). A failed trace would leave JAX's C++ dispatch on its slow
         path for those arguments, so it only fails for a compiled call about to be replaced."""
-        kinds = self._plan.problem.kinds
+        kinds, wheres = self._plan.problem.kinds, self._plan.problem.wheres
         key = self._key(kinds, values, seed_kwargs)
         with self._lock:
             if self._compiled_signatures >= self._max_signatures:
                 raise SignatureChanged
             self._compiled_signatures += 1
         try:
-            plan = self._known_plan(key) or self._new_plan(kinds, *self._own_values(values, seed_kwargs, key), key)
+            plan = self._known_plan(key) or self._new_plan(
+                kinds, *self._own_values(values, seed_kwargs, key), key, wheres
+            )
             return plan.direct()(values, seed_kwargs)
         except BaseException:
             with self._lock:
@@ -224,9 +271,9 @@ class Prepared(Generic[R]):
                 self._compiled_call, self._compiled_signatures = compiled, 1
         return compiled
 
-    def _key(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> tuple[Any, ...]:
+    def _key(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], wheres: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
         """The signature of a call: the arguments' (as `Problem.check` sees them) and the tangents'."""
-        return (self._plan.problem.check(values, kinds), _raw_seed_key(seed_kwargs, self.backend))
+        return (self._plan.problem.check(values, kinds, wheres), _raw_seed_key(seed_kwargs, self.backend))
 
     def _known_plan(self, key: tuple[Any, ...]) -> Plan | None:
         with self._lock:
@@ -236,16 +283,22 @@ class Prepared(Generic[R]):
                     return plan
         return None
 
-    def _plan_for(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Plan:
+    def _plan_for(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], wheres: tuple[Any, ...]) -> Plan:
         """The plan for this call's signature (tangents included), prepared on first sight."""
-        key = self._key(kinds, values, seed_kwargs)
-        return self._known_plan(key) or self._new_plan(kinds, values, seed_kwargs, key)
+        key = self._key(kinds, values, seed_kwargs, wheres)
+        return self._known_plan(key) or self._new_plan(kinds, values, seed_kwargs, key, wheres)
 
-    def _new_plan(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], key: tuple[Any, ...]) -> Plan:
+    def _make_plan(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], wheres: tuple[Any, ...]) -> Plan:
+        plan = Plan(
+            self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared",
+            wheres=wheres, keywords=self._keywords,
+        )
+        return plan.compile()
+
+    def _new_plan(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], key: tuple[Any, ...], wheres: tuple[Any, ...]) -> Plan:
         """A plan for a new signature; at most `max_signatures` are kept, the least recently
         used is dropped. Warns once when calls keep bringing new ones."""
-        plan = Plan(self._plan.operator, self._f, kinds, values, self.backend, self._options, seed_kwargs, "prepared")
-        plan.compile()
+        plan = self._make_plan(kinds, values, seed_kwargs, wheres)
         with self._lock:
             previous = self._plans[-1][0] if self._plans else None
             self._plans.append((key, plan))
@@ -276,10 +329,15 @@ def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...], values: tuple[
     shape (3, 4) -> (5, 4)" (the first three differences)."""
     (old_args, old_seeds), (new_args, new_seeds) = old, new
     changes = []
-    for position, ((old_kind, old_spec, old_metas), (kind, spec, metas)) in enumerate(zip(old_args, new_args)):
-        label = f"argument {position} ({kind.capitalize()})"
+    for position, ((old_kind, old_spec, old_metas, old_mask), (kind, spec, metas, mask)) in enumerate(
+        zip(old_args, new_args)
+    ):
+        name = f"argument {position}" if position < problem.n_positional else problem.label(position)
+        label = f"{name} ({kind.capitalize()})"
         if old_kind != kind:
-            changes.append(f"argument {position}: {old_kind.capitalize()} -> {kind.capitalize()}")
+            changes.append(f"{name}: {old_kind.capitalize()} -> {kind.capitalize()}")
+        elif old_mask != mask:
+            changes.append(f"{label}: another where= mask")
         elif old_spec != spec:
             changes.append(f"{label}: structure {old_spec} -> {spec}")
         else:
@@ -349,8 +407,8 @@ def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     (args_a, seeds_a), (args_b, seeds_b) = a, b
     if len(args_a) != len(args_b) or seeds_a != seeds_b:
         return False
-    for (kind_a, spec_a, metas_a), (kind_b, spec_b, metas_b) in zip(args_a, args_b):
-        if kind_a != kind_b or spec_a != spec_b or len(metas_a) != len(metas_b):
+    for (kind_a, spec_a, metas_a, mask_a), (kind_b, spec_b, metas_b, mask_b) in zip(args_a, args_b):
+        if kind_a != kind_b or mask_a != mask_b or spec_a != spec_b or len(metas_a) != len(metas_b):
             return False
         if not all(map(_same_meta, metas_a, metas_b)):
             return False
@@ -381,8 +439,7 @@ def _on_meta(module: Any) -> bool:
 def _plan(
     operator: Operator,
     f: Callable[..., Any],
-    kinds: tuple[Any, ...],
-    values: tuple[Any, ...],
+    arguments: Arguments,
     backend: Backend | None,
     options: dict[Any, Any],
     seed_kwargs: dict[Any, Any],
@@ -391,10 +448,14 @@ def _plan(
     then fixed by the first call). JAX placeholders become tracers of their shape and dtype
     while the plan is made (inside `jax.eval_shape`), so it is the plan of the arrays they
     stand for; nothing is computed from them."""
+    kinds, values = arguments.kinds, arguments.values
     placeholders = _placeholder_frameworks(values, seed_kwargs)
 
     def make(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Plan:
-        return Plan(operator, f, kinds, values, backend, options, seed_kwargs, "prepared")
+        return Plan(
+            operator, f, kinds, values, backend, options, seed_kwargs, "prepared",
+            wheres=arguments.wheres, keywords=arguments.keywords,
+        )
 
     if not placeholders:
         return make(values, seed_kwargs).compile(), False
@@ -473,6 +534,11 @@ def prepare(  # type: ignore[misc]
     ``Constant(jnp.asarray(scale))`` is traced. AutoJAX warns at prepare of
     static leaves it can tell are mutable.
 
+    Annotated keyword arguments (``scale=Constant(2.0)``) go to ``f`` by name,
+    and the prepared operator takes them by name on every call. An
+    ``Active(x, where=...)`` mask is part of the signature: raw values take
+    the prepared mask; another mask is a mismatch.
+
     A prepared object may be called from several threads at once: each call
     builds its own state (module views, Cache buffers, tapes) and shares only
     what was compiled, so every thread gets the result for its own arguments.
@@ -506,7 +572,15 @@ def prepare(  # type: ignore[misc]
     Array([2., 8.], dtype=float32)
     """
     operator = operator_of(op)
-    kinds, values = parse_arguments(operator.name, f, args)
+    own = _prepare_options(operator)
+    refuse_annotated_options(operator, {"backend": backend, "strict": strict, "max_signatures": max_signatures}, "prepare")
+    refuse_annotated_options(operator, {k: v for k, v in op_kwargs.items() if k in own}, "prepare")
+    f_keywords = {k: op_kwargs.pop(k) for k in list(op_kwargs) if isinstance(op_kwargs[k], Annotation)}
+    unknown = [k for k in op_kwargs if k not in own and k != "has_aux"]  # has_aux is refused below, with a reason
+    if unknown:
+        raise TypeError(unannotated_keyword_message(operator, unknown[0], op_kwargs[unknown[0]], own, "prepare"))
+    arguments = parse_call(operator.name, f, args, f_keywords)
+    values = arguments.values
     options = {k: op_kwargs.pop(k) for k in list(op_kwargs) if k == "has_aux"}
     if options.get("has_aux") and operator.name not in _HAS_AUX:
         raise TypeError(f"activity.{operator.name} does not take has_aux; it is for {', '.join(sorted(_HAS_AUX))}.")
@@ -514,7 +588,7 @@ def prepare(  # type: ignore[misc]
         options = {}
     limit = _max_signatures(operator.name, strict, max_signatures)
     try:
-        plan, device_pending = _plan(operator, f, kinds, values, backend, options, op_kwargs)
+        plan, device_pending = _plan(operator, f, arguments, backend, options, op_kwargs)
         return Prepared(plan, f, strict, options, op_kwargs, values, limit, device_pending)
     except Exception as error:
         drop_jax_note(error)  # placeholders are traced inside jax.eval_shape
@@ -538,3 +612,8 @@ def _max_signatures(op_name: str, strict: bool, max_signatures: int | None) -> i
 
 
 _HAS_AUX = HAS_AUX
+
+
+def _prepare_options(operator: Operator) -> tuple[str, ...]:
+    """The keywords `prepare` takes for ``operator`` besides f's annotated ones."""
+    return ("strict", "max_signatures", *operator_options(operator))

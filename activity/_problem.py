@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from . import _arrays as arrays
-from ._annotations import Active, Annotation, Cache, Constant
+from ._annotations import Active, Annotation, Cache, Constant, is_predicate
 from ._conventions import adapter_for, is_python_number
 from ._errors import RAISED_BY_F, UnsupportedError, add_note
 from ._tree import LEAF, flatten, leaf_paths, structure_difference, unflatten
@@ -68,14 +68,42 @@ def ordinal(position: int) -> str:
     return f"argument {position} (counting from 0 after f)"
 
 
-def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """Check the annotations of ``args``; return their kinds and the wrapped values."""
+@attrs.frozen
+class Arguments:
+    """One call's annotated arguments: positional ones first, then keyword ones in the order given."""
+
+    kinds: tuple[str, ...]
+    values: tuple[Any, ...]
+    wheres: tuple[Any, ...]  # each Active's ``where`` (None: all of it; None for other kinds)
+    keywords: tuple[str, ...] = ()  # the names of the last ``len(keywords)`` arguments, passed by keyword
+
+
+def parse_call(op_name: str, f: Any, args: Sequence[Any], keywords: dict[str, Any] | None = None) -> Arguments:
+    """Check the annotations of ``args`` and of the keyword arguments for ``f``."""
+    keywords = keywords or {}
+    for name, arg in keywords.items():
+        if not isinstance(arg, Annotation) or type(arg) is Annotation:
+            raise TypeError(
+                f"activity.{op_name}: the keyword argument {name}= is unannotated: {describe_type(arg)}. "
+                f"A keyword argument for f is annotated too: wrap it as {_WRAPPERS}."
+            )
+    every = (*args, *keywords.values())
+    kinds, values = parse_arguments(op_name, f, args, every)
+    return Arguments(kinds, values, tuple(getattr(arg, "where", None) for arg in every), tuple(keywords))
+
+
+def parse_arguments(
+    op_name: str, f: Any, args: Sequence[Any], every: Sequence[Any] | None = None
+) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """Check the annotations of ``args``; return their kinds and the wrapped values (of ``every``
+    argument: the positional ones and then the keyword ones, when given)."""
     if not callable(f):
         raise TypeError(
             f"activity.{op_name}: the first argument must be the function to differentiate, "
             f"got {describe_type(f)} {f!r:.60}. Call activity.{op_name}(f, Active(x), ...)."
         )
-    if not args:
+    every = args if every is None else every
+    if not every:
         raise TypeError(
             f"activity.{op_name}(f) got no arguments for f. Pass each argument annotated: "
             f"activity.{op_name}(f, Active(x), Constant(data), ...)."
@@ -86,15 +114,17 @@ def parse_arguments(op_name: str, f: Any, args: Sequence[Any]) -> tuple[tuple[st
                 f"activity.{op_name}: {ordinal(position)} is unannotated: {describe_type(arg)}. "
                 f"Wrap it as {_WRAPPERS}."
             )
+    for position, arg in enumerate(every):
         if arg.kind == "active" and isinstance(arg.value, collections.abc.Iterator):
-            raise TypeError(f"activity.{op_name}: {ordinal(position)} is {_active_iterator(arg.value)}")
-    kinds = tuple(arg.kind for arg in args)
+            which = ordinal(position) if position < len(args) else "a keyword argument"
+            raise TypeError(f"activity.{op_name}: {which} is {_active_iterator(arg.value)}")
+    kinds = tuple(arg.kind for arg in every)
     if "active" not in kinds:
         raise TypeError(
             f"activity.{op_name}: no argument is Active, so there is nothing to differentiate. "
             f"Mark the argument(s) to differentiate with Active(x)."
         )
-    return kinds, tuple(arg.value for arg in args)
+    return kinds, tuple(arg.value for arg in every)
 
 
 def _active_iterator(iterator: Any) -> str:
@@ -275,10 +305,23 @@ def combine(dynamic: Sequence[Any], static: tuple[Any, ...]) -> Any:
 class Problem:
     """The kinds, structures and leaf roles of one call's arguments."""
 
-    def __init__(self, op_name: str, kinds: tuple[str, ...], values: tuple[Any, ...], backend: Any):
+    def __init__(
+        self,
+        op_name: str,
+        kinds: tuple[str, ...],
+        values: tuple[Any, ...],
+        backend: Any,
+        wheres: tuple[Any, ...] | None = None,
+        keywords: tuple[str, ...] = (),
+    ):
         self.op_name = op_name
         self.kinds = kinds
         self.backend = backend
+        self.keywords = keywords  # the last len(keywords) arguments are passed to f by these names
+        self.n_positional = len(kinds) - len(keywords)
+        self.wheres = tuple(wheres) if wheres is not None else (None,) * len(kinds)
+        # per argument: None (all of it differentiated), or what its `where` selects (see `selection`)
+        self.selections: list[tuple[Any, ...] | None] = []
         self.specs: list[Any] = []
         self.roles: list[tuple[str, ...]] = []
         self.statics: list[tuple[Any, ...]] = []
@@ -288,21 +331,83 @@ class Problem:
         self.diff_frameworks: set[str | None] = set()
         self.diff_framework_of: dict[int, str | None] = {}  # flat index -> framework (modules: torch)
         self.module_names: dict[tuple[int, int], list[str]] = {}
+        self.module_unselected: dict[tuple[int, int], list[str]] = {}  # a where= left them out
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
         self.arrays_only: bool = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
         self.adapted: dict[int, tuple[Any, ...]] = {}
         for position, (kind, value) in enumerate(zip(kinds, values)):
-            self._add_argument(position, kind, value)
+            self._add_argument(position, kind, value, self.wheres[position])
         self.active_positions: tuple[int, ...] = tuple(i for i, k in enumerate(kinds) if k == "active")
         self.bare: tuple[bool, ...] = tuple(spec.is_leaf() for spec in self.specs)  # the argument is one leaf, not a tree
         # the type of each one-leaf argument (None for trees): a value of that type is that leaf
         self.bare_types: tuple[type[Any] | None, ...] = tuple(type(value) if bare else None for value, bare in zip(values, self.bare))
 
+    def label(self, position: int) -> str:
+        """How messages name an argument: "argument 1 (counting from 0 after f)" or "keyword argument scale="."""
+        if position >= self.n_positional:
+            return f"keyword argument {self.keywords[position - self.n_positional]}="
+        return ordinal(position)
+
     # ------------------------------------------------------------------ parsing
 
-    def _add_argument(self, position: int, kind: str, value: Any) -> None:
+    def selection(self, position: int, value: Any, where: Any) -> tuple[Any, ...] | None:
+        """What ``Active(value, where=where)`` differentiates: None for all of it, else one entry
+        per leaf: a bool for a leaf that would be differentiated, the selected parameter names
+        for a torch module, None for the others. Checked: a mask that selects nothing, has
+        the wrong structure, or answers anything but a bool is a TypeError naming the argument."""
+        if where is None:
+            return None
+        label = f"activity.{self.op_name}: {self.label(position)} (Active with where=)"
+        adapter = adapter_for(value)
+        if adapter is None:
+            leaves, spec = flatten(value)
+            tree, trainable = value, len(leaves)
+        else:
+            _, params, rest = adapter.split(value)
+            tree, trainable = params, len(flatten(params)[0])
+            leaves, spec = flatten((params, rest))
+        in_tree = not spec.is_leaf()
+        predicate = is_predicate(where)
+        candidate = [
+            arrays.is_torch_module(leaf)
+            or (arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf)))
+            for index, leaf in enumerate(leaves)
+        ]
+        paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
+        if predicate:
+            marks: list[Any] = [None] * len(leaves)
+        else:
+            marks = _broadcast_mask(where, tree, value, label)
+        selected: list[Any] = []
+        for index, (leaf, is_candidate) in enumerate(zip(leaves, candidate)):
+            if not is_candidate:
+                selected.append(None)
+            elif arrays.is_torch_module(leaf):
+                described = self.backend.describe_module(leaf)
+                names, named = described.names, dict(zip(described.names, described.params))
+                prefix = paths[index] + "." if paths[index] else ""
+                if predicate:
+                    chosen = [name for name in names if _answer(where, prefix + name, named[name], label)]
+                else:
+                    chosen = [name for name in names if _module_mark(marks[index], name, label)]
+                selected.append(tuple(chosen))
+            elif predicate:
+                selected.append(_answer(where, paths[index], leaf, label))
+            else:
+                selected.append(bool(marks[index]))
+        if not any(selected):
+            raise TypeError(
+                f"{label} selects nothing to differentiate. Mark the argument Constant(...) if none of it is "
+                f"differentiated, or change where= (it is called as where(path, leaf) with paths such as "
+                f"{[path for path, c in zip(paths, candidate) if c][:3]})."
+            )
+        return tuple(selected)
+
+    def _add_argument(self, position: int, kind: str, value: Any, where: Any = None) -> None:
+        selection = self.selection(position, value, where) if kind == "active" else None
+        self.selections.append(selection)
         adapter = adapter_for(value)
         if adapter is None:
             leaves, spec = flatten(value)
@@ -321,14 +426,14 @@ class Problem:
             if dkind == "c" and kind != "constant":
                 paths = paths or leaf_paths(value)
                 raise UnsupportedError(
-                    f"activity.{self.op_name} on {self.backend!r}: {ordinal(position)} ({kind}) holds a complex "
+                    f"activity.{self.op_name} on {self.backend!r}: {self.label(position)} ({kind}) holds a complex "
                     f"value at {paths[index] or 'its root'}; complex differentiation is not supported. "
                     f"Split it into real and imaginary parts."
                 )
             if isinstance(leaf, Annotation):
                 paths = paths or leaf_paths(value)
                 raise TypeError(
-                    f"activity.{self.op_name}: {ordinal(position)} ({kind.capitalize()}) holds a "
+                    f"activity.{self.op_name}: {self.label(position)} ({kind.capitalize()}) holds a "
                     f"{type(leaf).__name__}(...) at {paths[index] or 'its root'}; annotations do not nest. "
                     f"Annotate each top-level argument once and pass plain values inside it."
                 )
@@ -337,12 +442,23 @@ class Problem:
                 role = MODULE
                 described = self.backend.describe_module(leaf)
                 self._described[(position, index)] = described
+                if selection is not None:
+                    # a tangent may name the unselected parameters too (None or zeros there)
+                    self.module_unselected[(position, index)] = [n for n in described.names if n not in selection[index]]
+                    described = described.selecting(selection[index])
+                    self._described[(position, index)] = described
                 names, params = (described.names, described.params) if kind == "active" else ([], [])
                 self.module_names[(position, index)] = names
                 self.diff_shapes += [tuple(p.shape) for p in params]
                 self.diff_dtypes += [p.dtype for p in params]
                 meta = ("module", type(leaf).__name__, described.layout)
-            elif kind == "active" and dkind == "f" and index < trainable and not (in_tree and is_python_number(leaf)):
+            elif (
+                kind == "active"
+                and dkind == "f"
+                and index < trainable
+                and not (in_tree and is_python_number(leaf))
+                and (selection is None or selection[index])
+            ):
                 role = DIFF
                 leaf = self.backend.as_array(leaf)
                 self.diff_shapes.append(arrays.shape(leaf))
@@ -354,7 +470,7 @@ class Problem:
                 if not arrays.is_array(leaf):
                     paths = paths or leaf_paths(value)
                     raise TypeError(
-                        f"activity.{self.op_name}: {ordinal(position)} is a Cache holding "
+                        f"activity.{self.op_name}: {self.label(position)} is a Cache holding "
                         f"{describe_type(leaf)} at {paths[index] or 'its root'}. A Cache holds arrays "
                         f"(or a pytree of arrays) that f may overwrite; pass other values as Constant(...)."
                     )
@@ -370,11 +486,11 @@ class Problem:
         if kind == "active" and DIFF not in roles and not any(
             self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
         ):
-            raise TypeError(f"activity.{self.op_name}: {ordinal(position)} {_nothing_to_differentiate(value, leaves)}")
+            raise TypeError(f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}")
         self.specs.append(spec)
         self.roles.append(tuple(roles))
         self.statics.append(tuple(statics))
-        self.signature.append((kind, spec, tuple(metas)))
+        self.signature.append((kind, spec, tuple(metas), selection))
 
     def modules(self) -> list[Any]:
         """The torch modules of the arguments, as last described."""
@@ -383,15 +499,21 @@ class Problem:
     # --------------------------------------------------------------- per call
 
     @overload
-    def split(self, values: Sequence[Any], kinds: None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]]: ...
+    def split(
+        self, values: Sequence[Any], kinds: None = None, wheres: Sequence[Any] | None = None
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]]: ...
     @overload
-    def split(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None: ...
-    def split(self, values: Sequence[Any], kinds: Sequence[str] | None = None) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    def split(
+        self, values: Sequence[Any], kinds: Sequence[str], wheres: Sequence[Any] | None = None
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None: ...
+    def split(
+        self, values: Sequence[Any], kinds: Sequence[str] | None = None, wheres: Sequence[Any] | None = None
+    ) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
         """The differentiated leaves and the per-call context leaves of ``values``.
 
-        With ``kinds``, also check ``values`` against the prepared signature in
-        the same pass, and return None on any difference (`explain_mismatch`
-        then says what differs).
+        With ``kinds`` (and the Actives' ``wheres``), also check ``values`` against
+        the prepared signature in the same pass, and return None on any difference
+        (`explain_mismatch` then says what differs).
         """
         xs: list[Any] = []
         ctx: list[Any] = []
@@ -411,6 +533,8 @@ class Problem:
             if check:
                 if kinds[position] != self.kinds[position] or spec != self.specs[position]:  # type: ignore[index]
                     return None
+                if wheres is not None and not self._same_selection(position, value, wheres[position]):
+                    return None
                 metas = self.signature[position][2]
             for index, (leaf, role) in enumerate(zip(leaves, roles)):
                 if role == STATIC:
@@ -425,6 +549,7 @@ class Problem:
                     if described is not previous:
                         if check and described.layout != metas[index][2]:
                             return None
+                        described = self._selected_params(position, index, described)
                         self._described[(position, index)] = described  # a checked description, reused while it holds
                     if active:
                         xs.extend(described.params)
@@ -441,56 +566,85 @@ class Problem:
                     return None
         return tuple(xs), tuple(ctx)
 
-    def check(self, values: Sequence[Any], kinds: Sequence[str]) -> tuple[Any, ...]:
+    def _selected_params(self, position: int, index: int, described: Any) -> Any:
+        """A module's description, narrowed to the parameters its argument's ``where`` selects."""
+        selection = self.selections[position]
+        return described if selection is None else described.selecting(selection[index])
+
+    def selection_of(self, position: int, value: Any, where: Any) -> tuple[Any, ...] | None:
+        """`selection` of a call's ``where``; the prepared one when it is the prepared object
+        (a raw value takes it), so a prepared call does not evaluate its mask again."""
+        if where is self.wheres[position] and position < len(self.selections):
+            return self.selections[position]
+        return self.selection(position, value, where)
+
+    def _same_selection(self, position: int, value: Any, where: Any) -> bool:
+        if where is self.wheres[position]:
+            return True
+        if self.kinds[position] != "active":
+            return where is None
+        return self.selection(position, value, where) == self.selections[position]
+
+    def check(self, values: Sequence[Any], kinds: Sequence[str], wheres: Sequence[Any] | None = None) -> tuple[Any, ...]:
         """The signature of ``values`` (for preparation checks and caches)."""
         signature = []
+        wheres = self.wheres if wheres is None else wheres
         for position, (kind, value) in enumerate(zip(kinds, values)):
+            selection = self.selection_of(position, value, wheres[position]) if kind == "active" else None
             leaves, spec = self._adapted_leaves(position, value, True) if position in self.adapted else flatten(value)
             if leaves is None:  # not the prepared model's graph: a structure of its own
                 leaves, spec = flatten(value)
             metas = []
-            for leaf in leaves:
+            for index, leaf in enumerate(leaves):
                 if arrays.is_torch_module(leaf):
                     metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
-                elif kind == "active" and arrays.dtype_kind(leaf) == "f":  # as split sees it (converted)
+                elif (
+                    kind == "active"
+                    and arrays.dtype_kind(leaf) == "f"
+                    and (selection is None or (index < len(selection) and selection[index]))
+                ):  # as split sees it (converted)
                     metas.append(self.backend.array_meta(self.backend.as_array(leaf)))
                 else:
                     metas.append(self.backend.array_meta(leaf))
-            signature.append((kind, spec, tuple(metas)))
+            signature.append((kind, spec, tuple(metas), selection))
         return tuple(signature)
 
-    def explain_mismatch(self, values: Sequence[Any], kinds: Sequence[str]) -> str | None:
+    def explain_mismatch(
+        self, values: Sequence[Any], kinds: Sequence[str], wheres: Sequence[Any] | None = None
+    ) -> str | None:
         """None if ``values`` match the prepared signature, else what differs, where."""
         if len(values) != len(self.kinds):
             return (
                 f"prepared with {len(self.kinds)} argument(s) after f, called with {len(values)}. "
                 f"Pass the same arguments in the same order."
             )
-        got = self.check(values, kinds)
+        got = self.check(values, kinds, wheres)
         for position, (expected, actual, value) in enumerate(zip(self.signature, got, values)):
             if expected[0] != actual[0]:
                 return (
-                    f"{ordinal(position)}: prepared as {expected[0].capitalize()}, called as "
+                    f"{self.label(position)}: prepared as {expected[0].capitalize()}, called as "
                     f"{actual[0].capitalize()}. Annotation kinds are fixed by prepare."
                 )
+            if expected[3] != actual[3]:
+                return f"{self.label(position)}: {_mask_change(expected[3], actual[3])}"
             if position in self.adapted and self._adapted_leaves(position, value, True)[0] is None:
                 adapter = self.adapted[position][0]
                 return (
-                    f"{ordinal(position)}: prepared for another model: {adapter.describe(value)} whose graph "
+                    f"{self.label(position)}: prepared for another model: {adapter.describe(value)} whose graph "
                     f"(submodules, attributes, variable types) differs from the prepared one."
                 )
             if expected[1] != actual[1]:
-                return f"{ordinal(position)}: pytree structure changed: {_difference(expected[1], value)}."
+                return f"{self.label(position)}: pytree structure changed: {_difference(expected[1], value)}."
             for index, (meta_e, meta_a) in enumerate(zip(expected[2], actual[2])):
                 if not _same_meta(meta_e, meta_a):
                     path = leaf_paths(value)[index] or "(the argument itself)"
                     if meta_e[0] == meta_a[0] == "module" and meta_e[1] == meta_a[1]:
                         module = flatten(value)[0][index]
                         return (
-                            f"{ordinal(position)} at {path}: the {meta_e[1]} module differs from the prepared "
+                            f"{self.label(position)} at {path}: the {meta_e[1]} module differs from the prepared "
                             f"one: {module_difference(meta_e[2], meta_a[2], module)}."
                         )
-                    return f"{ordinal(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
+                    return f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
         return None
 
     def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list[Any] | None, Any]:
@@ -535,8 +689,12 @@ class Problem:
         return F
 
     def call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
-        """``f(*values)``; an error it raises keeps its type and traceback, with a note saying where."""
+        """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
+        traceback, with a note saying where."""
         try:
+            if self.keywords:
+                n = self.n_positional
+                return f(*values[:n], **dict(zip(self.keywords, values[n:])))
             return f(*values)
         except Exception as error:
             add_note(error, f"{RAISED_BY_F}{self.op_name} with backend {self.backend!r})")
@@ -655,7 +813,7 @@ class Problem:
                 subtrees = spec.flatten_up_to(part)
             except (ValueError, TypeError):
                 raise ValueError(
-                    f"activity.{self.op_name}: {label} must have the structure of the Active {ordinal(position)} "
+                    f"activity.{self.op_name}: {label} must have the structure of the Active {self.label(position)} "
                     f"(as its result has): {_difference(spec, part)}."
                 ) from None
             for index, (role, sub) in enumerate(zip(self.roles[position], subtrees)):
@@ -663,10 +821,12 @@ class Problem:
                     items = [(index, "", sub)]
                 elif role == MODULE:
                     names = self.module_names[(position, index)]
-                    if not isinstance(sub, dict) or sorted(sub) != sorted(names):
+                    unselected = self.module_unselected.get((position, index), [])
+                    if not isinstance(sub, dict) or not (set(names) <= set(sub) <= set(names) | set(unselected)):
+                        masked = f" (selected by where=; the others may be left out)" if unselected else ""
                         raise ValueError(
                             f"activity.{self.op_name}: {label} for a module must be a dict keyed like its "
-                            f"trainable named_parameters(): {names}."
+                            f"trainable named_parameters(){masked}: {names}."
                         )
                     items = [(index, f"[{name!r}]", sub[name]) for name in names]
                 else:
@@ -704,6 +864,77 @@ class Problem:
         # Paths are only needed for messages, so they are computed from the spec when asked.
         dummy = unflatten(self.specs[position], list(range(self.specs[position].num_leaves)))
         return leaf_paths(dummy)[index]
+
+def _mask_change(expected: tuple[Any, ...] | None, actual: tuple[Any, ...] | None) -> str:
+    def count(selection: tuple[Any, ...] | None) -> str:
+        if selection is None:
+            return "no where= (all of it differentiated)"
+        leaves = sum(1 for s in selection if s is True)
+        params = sum(len(s) for s in selection if isinstance(s, tuple))
+        parts = [f"{leaves} leaf(s)"] * bool(leaves or not params) + [f"{params} module parameter(s)"] * bool(params)
+        return f"a where= selecting {' and '.join(parts)}"
+
+    return (
+        f"prepared with {count(expected)}, called with {count(actual)}, which selects other leaves. The mask is "
+        f"part of the prepared signature: call with raw values (they take the prepared mask) or prepare again."
+    )
+
+
+def _mask_paths(tree: Any, adapted: bool) -> list[str]:
+    """The paths a ``where`` callable is given: as messages print them; for a Flax NNX module,
+    the paths of its parameter state without the variables' ``.value``."""
+    paths = leaf_paths(tree)
+    if adapted:
+        paths = [path[: -len(".value")] if path.endswith(".value") else path for path in paths]
+    return paths
+
+
+def _answer(where: Callable[[str, Any], Any], path: str, leaf: Any, label: str) -> bool:
+    """``where(path, leaf)``, which must be a bool (a numpy bool too)."""
+    answer = where(path, leaf)
+    if not isinstance(answer, (bool, np.bool_)):
+        raise TypeError(
+            f"{label}: where({path!r}, ...) returned {type(answer).__name__} {answer!r:.40}; it must return "
+            f"True (differentiate this leaf) or False (keep it constant)."
+        )
+    return bool(answer)
+
+
+def _broadcast_mask(where: Any, tree: Any, value: Any, label: str) -> list[Any]:
+    """One mark per leaf of ``tree`` from a pytree of bools with a prefix of its structure (a
+    torch module's mark may be a dict of parameter names or submodule prefixes to bools)."""
+    leaves, _ = flatten(tree)
+    if arrays.is_torch_module(value) and isinstance(where, dict):
+        return [where]  # a module is one leaf: its names are matched in `_module_mark`
+    try:
+        subtrees = flatten(where)[1].flatten_up_to(tree)
+    except (ValueError, TypeError):
+        raise TypeError(
+            f"{label}: the mask does not have a prefix of the value's structure: "
+            f"{structure_difference(flatten(where)[1], tree) if flatten(where)[1].num_leaves else 'it is empty'}. "
+            f"Give one bool per part (a dict of bools for a dict, ...), or a callable where(path, leaf)."
+        ) from None
+    marks: list[Any] = []
+    for mark, sub in zip(flatten(where)[0], subtrees):
+        marks.extend([mark] * len(flatten(sub)[0]))  # a mark covers every leaf below it
+    if len(marks) != len(leaves):
+        raise TypeError(f"{label}: the mask does not line up with the value's leaves; use a callable where(path, leaf).")
+    return marks
+
+
+def _module_mark(mark: Any, name: str, label: str) -> bool:
+    """A torch module parameter's mark: a bool for the whole module, or the value of the
+    longest key of a dict that is the parameter's name or a prefix of it ("head" for "head.weight")."""
+    if not isinstance(mark, dict):
+        return bool(mark)
+    keys = [key for key in mark if name == key or name.startswith(str(key) + ".")]
+    if not keys:
+        raise TypeError(
+            f"{label}: the mask {sorted(mark)} says nothing about the parameter {name!r}. Give a bool for every "
+            f"parameter or a prefix of its name (a submodule such as 'head'), or a callable where(path, leaf)."
+        )
+    return bool(mark[max(keys, key=len)])
+
 
 def _difference(expected: Any, tree: Any) -> str:
     """What differs between a structure and a tree, in one line; the two structures too when short."""
@@ -743,6 +974,14 @@ def _same_layout_entry(expected: object, actual: object) -> bool:
     return expected == actual
 
 
+def wheres_of(args: Sequence[Any], prepared_wheres: Sequence[Any]) -> tuple[Any, ...]:
+    """The Actives' ``where`` of a prepared call's arguments; raw values take the prepared ones."""
+    return tuple(
+        getattr(arg, "where", None) if isinstance(arg, Annotation) else prepared
+        for arg, prepared in zip(args, prepared_wheres)
+    )
+
+
 def kinds_of(args: Sequence[Any], prepared_kinds: Sequence[str]) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     """Kinds and values of a prepared call's arguments; raw values take the prepared kinds."""
     kinds, values = [], []
@@ -756,4 +995,4 @@ def kinds_of(args: Sequence[Any], prepared_kinds: Sequence[str]) -> tuple[tuple[
     return tuple(kinds), tuple(values)
 
 
-__all__ = ["Problem", "Traced", "parse_arguments", "kinds_of", "partition", "combine", "array_meta", "a"]
+__all__ = ["Problem", "Traced", "Arguments", "parse_arguments", "parse_call", "kinds_of", "wheres_of", "partition", "combine", "array_meta", "a"]

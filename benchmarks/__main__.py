@@ -54,6 +54,9 @@ def build_cases(sizes: Sizes, frameworks=("jax", "torch")):
         from . import _cases_mixing
 
         cases += _cases_mixing.cases((sizes.mlp_widths[0], sizes.mlp_widths[-1]))
+    from ._cases_masks import mask_cases
+
+    cases += mask_cases(tuple(frameworks), sizes.mlp_widths)
     return cases
 
 

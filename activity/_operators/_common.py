@@ -10,11 +10,14 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
+import difflib
+
 import attrs
 
 from .. import _arrays as arrays
+from .._annotations import Annotation
 from .._errors import UnsupportedError, drop_jax_note
-from .._problem import Problem, Traced, a, describe_type, float_advice, parse_arguments
+from .._problem import HAS_AUX, Arguments, Problem, Traced, a, describe_type, float_advice, parse_call
 from .._tree import flatten, leaf_paths
 from ..backends import Backend, resolve_backend
 from ..backends._base import SignatureChanged, stack_batch
@@ -44,6 +47,52 @@ class Seeds:
 
 
 REGISTRY: dict[str, Operator] = {}
+
+
+def operator_options(operator: Operator) -> tuple[str, ...]:
+    """The operator's own keywords: never an argument for f."""
+    seeds = () if operator.seed is None else (operator.seed, operator.seed + "s")
+    return ("backend", *(("has_aux",) if operator.name in HAS_AUX else ()), *seeds)
+
+
+def refuse_annotated_options(operator: Operator, given: dict[str, Any], caller: str | None = None) -> None:
+    """An annotation passed as one of the operator's own options (``backend=Constant(x)``) is a
+    keyword argument for f that clashes with the option: a TypeError that says so."""
+    for name, value in given.items():
+        if isinstance(value, Annotation):
+            where = f"activity.prepare(activity.{operator.name}, ...)" if caller else f"activity.{operator.name}"
+            raise TypeError(
+                f"{where}: {name}= is an option of the operator, but it got {type(value).__name__}(...), an "
+                f"annotated argument for f. A keyword argument of f cannot be named {name} (the operator's "
+                f"options are {', '.join(o + '=' for o in operator_options(operator))}): rename it in f, or "
+                f"pass it positionally."
+            )
+
+
+def unannotated_keyword_message(
+    operator: Operator, name: str, value: Any, options: Sequence[str], caller: str | None = None
+) -> str:
+    """Why ``name=value`` is refused: not an annotation, so not for f, and not an option either."""
+    close = difflib.get_close_matches(name, options, n=1)
+    hint = f"Did you mean {close[0]}=? " if close else ""
+    others = {o: op.name for op in REGISTRY.values() for o in operator_options(op) if o not in options}
+    if not close and name in others:
+        hint = f"{name}= is an option of other operators (such as activity.{others[name]}), not of this one. "
+    elif not close and (close := difflib.get_close_matches(name, list(others), n=1)):
+        hint = f"Did you mean {close[0]}=? (an option of other operators, such as activity.{others[close[0]]}) "
+    return (
+        f"activity.{operator.name} got unexpected keyword argument(s) [{name!r}] ({describe_type(value)}), which "
+        f"is not annotated, so it is not an argument for f either. {hint}A keyword argument for f is annotated: "
+        f"Active(x) to differentiate it, Constant(x) for data, or Cache(x) for scratch space f may overwrite. "
+        f"The options{' of activity.prepare' if caller else ''} here are {', '.join(o + '=' for o in options)}."
+    )
+
+
+def check_keywords(operator: Operator, keywords: dict[str, Any]) -> None:
+    """Every keyword argument for f is annotated; a raw one gets the closest option as a hint."""
+    for name, value in keywords.items():
+        if not isinstance(value, Annotation) or type(value) is Annotation:
+            raise TypeError(unannotated_keyword_message(operator, name, value, operator_options(operator)))
 
 
 def operator_of(op: Any) -> Operator:
@@ -138,6 +187,9 @@ class Plan:
         options: dict[str, Any],
         seed_kwargs: dict[str, Any],
         mode: str = "unprepared",
+        *,
+        wheres: tuple[Any, ...] | None = None,
+        keywords: tuple[str, ...] = (),
     ):
         backend = resolve_backend(operator.name, backend, values)
         for kind in dict.fromkeys(kinds):
@@ -147,7 +199,7 @@ class Plan:
                     f"argument ({mode}). See the support table: {type(backend).__name__}().capabilities()."
                 )
         self.operator, self.backend, self.f, self.options = operator, backend, f, options
-        self.problem = Problem(operator.name, kinds, values, backend)
+        self.problem = Problem(operator.name, kinds, values, backend, wheres, keywords)
         if operator.scalar_input:
             self._check_scalar_inputs(values)
         self.seeds = encode_seeds(operator, self.problem, seed_kwargs)
@@ -194,26 +246,45 @@ class Plan:
 _REUSABLE: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
-def call(operator: Operator, f: Callable[..., Any], args: Sequence[Any], backend: Backend | None, options: dict[Any, Any], seed_kwargs: dict[Any, Any]) -> Any:
+def call(
+    operator: Operator,
+    f: Callable[..., Any],
+    args: Sequence[Any],
+    backend: Backend | None,
+    options: dict[str, Any],
+    seed_kwargs: dict[str, Any],
+    keywords: dict[str, Any] | None = None,
+) -> Any:
     """An unprepared call: plan, then run; where the backend can reuse the work of the last
-    call of the same signature (`Backend.reusable_call`), no plan is made."""
+    call of the same signature (`Backend.reusable_call`), no plan is made. ``keywords`` are
+    the annotated keyword arguments for f."""
     try:
-        return _call(operator, f, args, backend, options, seed_kwargs)
+        if keywords:
+            check_keywords(operator, keywords)
+        if isinstance(backend, Annotation):
+            refuse_annotated_options(operator, {"backend": backend})
+        for given in (options, seed_kwargs):
+            for value in given.values():
+                if isinstance(value, Annotation):
+                    refuse_annotated_options(operator, given)
+        return _call(operator, f, parse_call(operator.name, f, args, keywords), backend, options, seed_kwargs)
     except Exception as error:
         drop_jax_note(error)
         raise
 
 
 def _call(
-    operator: Operator, f: Callable[..., Any], args: Sequence[Any], backend: Backend | None,
+    operator: Operator, f: Callable[..., Any], arguments: Arguments, backend: Backend | None,
     options: dict[str, Any], seed_kwargs: dict[str, Any],
 ) -> Any:
-    kinds, values = parse_arguments(operator.name, f, args)
+    kinds, values = arguments.kinds, arguments.values
     signature = (operator.name, kinds, backend, tuple(options.items()))
-    key: tuple[Any, ...] | None = signature
-    reusable: Callable[..., Any] | None
+    # Keyword arguments and masks are part of a signature the reused call does not check: planned each time.
+    plain = not arguments.keywords and all(where is None for where in arguments.wheres)
+    key: tuple[Any, ...] | None = signature if plain else None
+    reusable: Callable[..., Any] | None = None
     try:
-        reusable = _REUSABLE.get(signature)
+        reusable = None if key is None else _REUSABLE.get(signature)
     except TypeError:  # a backend (or option) that cannot be hashed: no reuse
         reusable, key = None, None
     if reusable is not None:
@@ -221,7 +292,9 @@ def _call(
             return reusable(f, values, seed_kwargs)
         except SignatureChanged:
             pass
-    plan = Plan(operator, f, kinds, values, backend, options, seed_kwargs)
+    plan = Plan(
+        operator, f, kinds, values, backend, options, seed_kwargs, wheres=arguments.wheres, keywords=arguments.keywords
+    )
     reusable = None if key is None else plan.backend.reusable_call(plan)
     if key is not None and reusable is not None:
         _keep(key, reusable, plan.problem)

@@ -29,12 +29,14 @@ def _build(
 @overload
 def derivative(
     f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> R: ...
 @overload
 def derivative(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
+    **keywords: Annotation[Any],
 ) -> Any: ...
-def derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
+def derivative(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]) -> Any:
     """Derivative of ``f``'s output with respect to scalar Active arguments.
 
     The output may be any array or pytree; the result has its structure. With
@@ -63,18 +65,20 @@ def derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend |
     >>> ad.derivative(lambda t: jnp.array([t, t**2]), ad.Active(3.0), backend=ad.AutoJAX())
     Array([1., 6.], dtype=float32)
     """
-    return call(DERIVATIVE, f, args, backend, {}, {})
+    return call(DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 @overload
 def value_and_derivative(
     f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> tuple[R, R]: ...
 @overload
 def value_and_derivative(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
+    **keywords: Annotation[Any],
 ) -> tuple[R, Any]: ...
-def value_and_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
+def value_and_derivative(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]) -> Any:
     """``(f(*values), derivative)``; see `derivative`.
 
     Args:
@@ -99,7 +103,7 @@ def value_and_derivative(f: Callable[..., Any], *args: Annotation[Any], backend:
     >>> ad.value_and_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
     (Array(8., dtype=float32, weak_type=True), Array(12., dtype=float32, weak_type=True))
     """
-    return call(VALUE_AND_DERIVATIVE, f, args, backend, {}, {})
+    return call(VALUE_AND_DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 DERIVATIVE = Operator("derivative", lambda *a: _build(*a, value=False), scalar_input=True)

@@ -27,39 +27,45 @@ def _build(
 def gradient(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
 ) -> ModuleGradient: ...
 @overload
 def gradient(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
 ) -> NNXGradient: ...
 @overload
 def gradient(
     f: Callable[..., tuple[Any, A]], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
 ) -> tuple[ModuleGradient, A]: ...
 @overload
 def gradient(
     f: Callable[..., tuple[Any, A]], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
 ) -> tuple[NNXGradient, A]: ...
 @overload
 def gradient(
-    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
 ) -> Any: ...
 @overload
 def gradient(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
 ) -> T: ...
 @overload
 def gradient(
     f: Callable[..., tuple[Any, A]], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
 ) -> tuple[T, A]: ...
 @overload
-def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any: ...
-def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any:
+def gradient(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]) -> Any: ...
+def gradient(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]) -> Any:
     """Gradient of a scalar ``f`` with respect to its Active arguments.
 
     One Active argument: a result of its structure; several: a tuple. A
@@ -94,31 +100,31 @@ def gradient(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
     >>> {k: float(v) for k, v in g.items()}
     {'w': 10.0, 'b': 6.0}
     """
-    return call(GRADIENT, f, args, backend, {"has_aux": has_aux}, {})
+    return call(GRADIENT, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 @overload
 def value_and_gradient(
-    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
 ) -> tuple[R, ModuleGradient]: ...
 @overload
 def value_and_gradient(
-    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
 ) -> tuple[R, NNXGradient]: ...
 @overload
 def value_and_gradient(
-    f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
 ) -> tuple[R, Any]: ...
 @overload
 def value_and_gradient(
-    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
 ) -> tuple[R, T]: ...
 @overload
 def value_and_gradient(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]
 ) -> tuple[R, Any]: ...
 def value_and_gradient(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]
 ) -> Any:
     """``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.
 
@@ -145,7 +151,7 @@ def value_and_gradient(
     >>> ad.value_and_gradient(lambda x: jnp.sum(x**2), ad.Active(jnp.array([1.0, 2.0])))
     (Array(5., dtype=float32), Array([2., 4.], dtype=float32))
     """
-    return call(VALUE_AND_GRADIENT, f, args, backend, {"has_aux": has_aux}, {})
+    return call(VALUE_AND_GRADIENT, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 GRADIENT = Operator("gradient", lambda *a, **k: _build(*a, value=False, **k))

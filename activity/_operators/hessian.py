@@ -33,7 +33,7 @@ def _build(
     return pipeline
 
 
-def hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
+def hessian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]) -> Any:
     """Hessian of a scalar ``f`` in `jax.hessian`'s layout (input structure twice,
     leaves of shape ``shape_i + shape_j``); a tuple of tuples for several Active arguments.
 
@@ -61,30 +61,35 @@ def hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | No
     Array([[0., 4.],
            [4., 2.]], dtype=float32)
     """
-    return call(HESSIAN, f, args, backend, {}, {})
+    return call(HESSIAN, f, args, backend, {}, {}, keywords)
 
 
 @overload
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> tuple[R, ModuleGradient, Any]: ...
 @overload
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> tuple[R, NNXGradient, Any]: ...
 @overload
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> tuple[R, Any, Any]: ...
 @overload
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> tuple[R, T, Any]: ...
 @overload
 def value_gradient_and_hessian(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
+    **keywords: Annotation[Any],
 ) -> tuple[R, Any, Any]: ...
-def value_gradient_and_hessian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
+def value_gradient_and_hessian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]) -> Any:
     """``(value, gradient, hessian)``.
 
     Args:
@@ -110,7 +115,7 @@ def value_gradient_and_hessian(f: Callable[..., Any], *args: Annotation[Any], ba
     >>> value, grad, hess
     (Array(1., dtype=float32), Array([3.], dtype=float32), Array([[6.]], dtype=float32))
     """
-    return call(VALUE_GRADIENT_AND_HESSIAN, f, args, backend, {}, {})
+    return call(VALUE_GRADIENT_AND_HESSIAN, f, args, backend, {}, {}, keywords)
 
 
 HESSIAN = Operator("hessian", lambda *a: _build(*a, value=False))

@@ -27,43 +27,51 @@ def _build(
 def hvp(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Data,
 ) -> ModuleGradient: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Data,
 ) -> NNXGradient: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Data,
 ) -> list[ModuleGradient]: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Data,
 ) -> list[NNXGradient]: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[float], /, *args: Data,
     backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Data,
 ) -> Any: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Data,
 ) -> T: ...
 @overload
 def hvp(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Data,
 ) -> list[T]: ...
 @overload
 def hvp(
-    f: Callable[..., Any], *args: Annotation[Any],
+    f: Callable[..., Any], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> Any: ...
-def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None) -> Any:
+def hvp(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation[Any]) -> Any:
     """Hessian-vector product of a scalar ``f`` along ``tangent`` (a list for ``tangents=[...]``).
 
     Args:
@@ -93,51 +101,59 @@ def hvp(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None =
     >>> ad.hvp(lambda x: jnp.sum(x**3), ad.Active(jnp.array([1.0, 2.0])), tangent=jnp.array([1.0, 1.0]))
     Array([ 6., 12.], dtype=float32)
     """
-    return call(HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Data,
 ) -> tuple[ModuleGradient, ModuleGradient]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Data,
 ) -> tuple[NNXGradient, NNXGradient]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Data,
 ) -> tuple[ModuleGradient, list[ModuleGradient]]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Data,
 ) -> tuple[NNXGradient, list[NNXGradient]]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[float], /, *args: Data,
     backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Data,
 ) -> tuple[Any, Any]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Data,
 ) -> tuple[T, T]: ...
 @overload
 def gradient_and_hvp(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Data,
 ) -> tuple[T, list[T]]: ...
 @overload
 def gradient_and_hvp(
-    f: Callable[..., Any], *args: Annotation[Any],
+    f: Callable[..., Any], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> Any: ...
 def gradient_and_hvp(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation[Any]
 ) -> Any:
     """``(gradient, hvp)``.
 
@@ -168,7 +184,7 @@ def gradient_and_hvp(
     >>> ad.gradient_and_hvp(lambda x: jnp.sum(x**3), ad.Active(jnp.array([2.0])), tangent=jnp.array([1.0]))
     (Array([12.], dtype=float32), Array([12.], dtype=float32))
     """
-    return call(GRADIENT_AND_HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(GRADIENT_AND_HVP, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 HVP = Operator("hvp", lambda *a: _build(*a, with_gradient=False), seed="tangent")

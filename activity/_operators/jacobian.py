@@ -42,7 +42,7 @@ def _build(
     return pipeline
 
 
-def jacobian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False) -> Any:
+def jacobian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]) -> Any:
     """Jacobian of ``f`` in `jax.jacobian`'s layout: output structure, then input structure,
     each leaf of shape ``output_shape + input_shape``.
 
@@ -70,11 +70,11 @@ def jacobian(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | N
     Array([[2., 0.],
            [0., 4.]], dtype=float32)
     """
-    return call(JACOBIAN, f, args, backend, {"has_aux": has_aux}, {})
+    return call(JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 def value_and_jacobian(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]
 ) -> tuple[R, Any]:
     """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
 
@@ -101,7 +101,7 @@ def value_and_jacobian(
     >>> value, jac
     (Array([3.], dtype=float32), Array([[3.]], dtype=float32))
     """
-    return cast("tuple[R, Any]", call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}))
+    return cast("tuple[R, Any]", call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords))
 
 
 JACOBIAN = Operator("jacobian", lambda *a, **k: _build(*a, value=False, **k))

@@ -51,44 +51,53 @@ def checked_cotangents(problem: Any, traced: Any, seeds: Any, cts: tuple[Any, ..
 def pullback(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    **keywords: Data,
 ) -> ModuleGradient: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    **keywords: Data,
 ) -> NNXGradient: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    **keywords: Data,
 ) -> list[ModuleGradient]: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    **keywords: Data,
 ) -> list[NNXGradient]: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[float], /, *args: Data,
     backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    **keywords: Data,
 ) -> Any: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    **keywords: Data,
 ) -> T: ...
 @overload
 def pullback(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    **keywords: Data,
 ) -> list[T]: ...
 @overload
 def pullback(
-    f: Callable[..., Any], *args: Annotation[Any],
+    f: Callable[..., Any], /, *args: Annotation[Any],
     backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> Any: ...
 def pullback(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> Any:
     """The cotangent pulled back to the Active arguments (a VJP), or a list for ``cotangents=[...]``.
 
@@ -121,51 +130,59 @@ def pullback(
     >>> ad.pullback(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])), cotangent=jnp.array([1.0, 1.0]))
     Array([2., 4.], dtype=float32)
     """
-    return call(PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents})
+    return call(PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents}, keywords)
 
 
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    **keywords: Data,
 ) -> tuple[R, ModuleGradient]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    **keywords: Data,
 ) -> tuple[R, NNXGradient]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[TorchModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    **keywords: Data,
 ) -> tuple[R, list[ModuleGradient]]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data,
     backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    **keywords: Data,
 ) -> tuple[R, list[NNXGradient]]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[float], /, *args: Data,
     backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    **keywords: Data,
 ) -> tuple[R, Any]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, cotangent: Any, cotangents: None = None,
+    **keywords: Data,
 ) -> tuple[R, T]: ...
 @overload
 def value_and_pullback(
     f: Callable[..., R], arg: Active[T], /, *args: Data,
     backend: Backend | None = None, cotangent: None = None, cotangents: Sequence[Any],
+    **keywords: Data,
 ) -> tuple[R, list[T]]: ...
 @overload
 def value_and_pullback(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> tuple[R, Any]: ...
 def value_and_pullback(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, cotangent: Any = None, cotangents: Any = None, **keywords: Annotation[Any]
 ) -> Any:
     """``(value, pullback)``.
 
@@ -194,7 +211,7 @@ def value_and_pullback(
     >>> ad.value_and_pullback(lambda x: 2 * x, ad.Active(jnp.array(1.0)), cotangent=jnp.array(3.0))
     (Array(2., dtype=float32, weak_type=True), Array(6., dtype=float32))
     """
-    return call(VALUE_AND_PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents})
+    return call(VALUE_AND_PULLBACK, f, args, backend, {}, {"cotangent": cotangent, "cotangents": cotangents}, keywords)
 
 
 PULLBACK = Operator("pullback", lambda *a: _build(*a, value=False), seed="cotangent")

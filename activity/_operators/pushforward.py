@@ -25,21 +25,25 @@ def _build(
 
 @overload
 def pushforward(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Annotation[Any],
 ) -> R: ...
 @overload
 def pushforward(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Annotation[Any],
 ) -> list[R]: ...
 @overload
 def pushforward(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> Any: ...
 def pushforward(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> Any:
     """The output tangent of ``f`` along ``tangent`` (a JVP), or a list for ``tangents=[...]``.
 
@@ -73,26 +77,29 @@ def pushforward(
     >>> ad.pushforward(lambda x: x**2, ad.Active(jnp.array([1.0, 2.0])), tangent=jnp.array([1.0, 0.0]))
     Array([2., 0.], dtype=float32)
     """
-    return call(PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 @overload
 def value_and_pushforward(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: Any, tangents: None = None,
+    **keywords: Annotation[Any],
 ) -> tuple[R, R]: ...
 @overload
 def value_and_pushforward(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: None = None, tangents: Sequence[Any],
+    **keywords: Annotation[Any],
 ) -> tuple[R, list[R]]: ...
 @overload
 def value_and_pushforward(
-    f: Callable[..., R], *args: Annotation[Any],
+    f: Callable[..., R], /, *args: Annotation[Any],
     backend: Backend | None = None, tangent: Any = None, tangents: Any = None,
+    **keywords: Annotation[Any],
 ) -> tuple[R, Any]: ...
 def value_and_pushforward(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, tangent: Any = None, tangents: Any = None, **keywords: Annotation[Any]
 ) -> Any:
     """``(value, pushforward)``.
 
@@ -122,7 +129,7 @@ def value_and_pushforward(
     >>> ad.value_and_pushforward(jnp.sin, ad.Active(jnp.array(0.0)), tangents=[jnp.array(2.0)])
     (Array(0., dtype=float32, weak_type=True), [Array(2., dtype=float32, weak_type=True)])
     """
-    return call(VALUE_AND_PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents})
+    return call(VALUE_AND_PUSHFORWARD, f, args, backend, {}, {"tangent": tangent, "tangents": tangents}, keywords)
 
 
 PUSHFORWARD = Operator("pushforward", lambda *a: _build(*a, value=False), seed="tangent")

@@ -37,12 +37,14 @@ def _build(
 @overload
 def second_derivative(
     f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> R: ...
 @overload
 def second_derivative(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
+    **keywords: Annotation[Any],
 ) -> Any: ...
-def second_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None) -> Any:
+def second_derivative(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]) -> Any:
     """Second derivative of ``f``'s output with respect to scalar Active arguments.
 
     With several Active scalars, a tuple of tuples (``[i][j]`` is d2/dxi dxj).
@@ -70,19 +72,21 @@ def second_derivative(f: Callable[..., Any], *args: Annotation[Any], backend: Ba
     >>> ad.second_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
     Array(12., dtype=float32, weak_type=True)
     """
-    return call(SECOND_DERIVATIVE, f, args, backend, {}, {})
+    return call(SECOND_DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 @overload
 def value_derivative_and_second_derivative(
     f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
 ) -> tuple[R, R, R]: ...
 @overload
 def value_derivative_and_second_derivative(
-    f: Callable[..., R], *args: Annotation[Any], backend: Backend | None = None,
+    f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
+    **keywords: Annotation[Any],
 ) -> tuple[R, Any, Any]: ...
 def value_derivative_and_second_derivative(
-    f: Callable[..., Any], *args: Annotation[Any], backend: Backend | None = None
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]
 ) -> Any:
     """``(value, derivative, second_derivative)``.
 
@@ -107,7 +111,7 @@ def value_derivative_and_second_derivative(
     >>> ad.value_derivative_and_second_derivative(lambda t: t**3, ad.Active(2.0), backend=ad.AutoJAX())
     (Array(8., dtype=float32, weak_type=True), Array(12., dtype=float32, weak_type=True), Array(12., dtype=float32, weak_type=True))
     """
-    return call(VALUE_DERIVATIVE_AND_SECOND_DERIVATIVE, f, args, backend, {}, {})
+    return call(VALUE_DERIVATIVE_AND_SECOND_DERIVATIVE, f, args, backend, {}, {}, keywords)
 
 
 SECOND_DERIVATIVE = Operator("second_derivative", lambda *a: _build(*a, value=False), scalar_input=True)

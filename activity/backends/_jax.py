@@ -15,7 +15,7 @@ import numpy as np
 import optree
 
 from .. import _arrays as arrays
-from .._problem import STATIC, array_meta, combine, ordinal, partition
+from .._problem import STATIC, array_meta, combine, partition
 from .._imports import optional, require
 from .._tree import NAMESPACE, captured_values, flatten, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
@@ -413,7 +413,7 @@ def _warn_of_stale_statics(plan: Any, values: tuple[Any, ...]) -> None:
 
                 path = leaf_path(problem, values, position, index)
                 warnings.warn(
-                    f"activity.prepare(activity.{plan.operator.name}, ...): {ordinal(position)} "
+                    f"activity.prepare(activity.{plan.operator.name}, ...): {problem.label(position)} "
                     f"({problem.kinds[position].capitalize()}) at {path} is {reason}",
                     stacklevel=caller_stacklevel(),
                 )

@@ -71,10 +71,27 @@ class ModuleDescription:
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict[Any, Any] = attrs.field(factory=dict)
     plans: dict[Any, Any] = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
+    narrowed: dict[tuple[str, ...], Any] = attrs.field(factory=dict)  # selected names -> the description `selecting` them
 
     @property
     def module(self) -> Any:
         return self.module_ref()
+
+    def selecting(self, names: tuple[str, ...]) -> "ModuleDescription":
+        """This description with only ``names`` differentiated (``Active(module, where=...)``):
+        the other trainable parameters are held as a Constant module's are. Made once per
+        selection; the user's ``requires_grad`` flags are never changed."""
+        if tuple(names) == tuple(self.names):
+            return self
+        found = self.narrowed.get(tuple(names))
+        if found is None:
+            keep = set(names)
+            pairs = [(name, p) for name, p in zip(self.names, self.params) if name in keep]
+            found = attrs.evolve(
+                self, names=[n for n, _ in pairs], params=[p for _, p in pairs], plans={}, narrowed={}
+            )
+            self.narrowed[tuple(names)] = found
+        return found
 
     def still_describes(self, module: Any) -> bool:
         """Whether ``module`` is the module described, unchanged: the same objects in every

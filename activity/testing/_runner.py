@@ -240,7 +240,7 @@ def check_scenario(
     problems = []
     for mode in (False, True) if prepared else (False,):
         label = "prepared" if mode else "unprepared"
-        snapshot = Snapshot(scenario.args + (scenario.prep_args or ()))
+        snapshot = Snapshot(scenario.every_arg + (scenario.prep_args or ()) + tuple((scenario.prep_kwargs or {}).values()))
         try:
             actual = scenario.run(backend, prepared=mode)
         except UnsupportedError:

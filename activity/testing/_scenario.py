@@ -41,7 +41,7 @@ def _reads_what_it_writes(scenario: "Scenario") -> str | None:
     what it wrote. (BatchNorm in train mode writes statistics it does not read.)
     """
     torch: Any = sys.modules.get("torch")
-    values = tuple(a.value for a in scenario.args)
+    values = (tuple(a.value for a in scenario.args), {k: a.value for k, a in scenario.kwargs.items()})
     stateful = torch is not None and any(
         isinstance(leaf, torch.nn.Module) and any(True for _ in leaf.buffers()) for leaf in flatten(values)[0]
     )
@@ -67,7 +67,8 @@ def _reads_what_it_writes(scenario: "Scenario") -> str | None:
 
 
 def _output(scenario: "Scenario", values: tuple[Any, ...]) -> Any:
-    out = scenario.f(*values)
+    positional, keywords = values
+    out = scenario.f(*positional, **keywords)
     return out[0] if scenario.options.get("has_aux") else out
 
 
@@ -104,7 +105,9 @@ class Scenario:
     ``tangent`` is the tangent or cotangent the operator needs (``tangents`` a
     batch of them); ``prep_args`` are other values of the same kinds to
     prepare with, so a prepared operator that reuses its preparation values
-    fails; ``options`` are extra operator keywords such as ``has_aux``.
+    fails; ``options`` are extra operator keywords such as ``has_aux``;
+    ``kwargs`` are annotated keyword arguments for ``f`` (``prep_kwargs`` their
+    values to prepare with, when ``prep_args`` are given).
 
     Args:
         op: the operator, e.g. `activity.gradient`, or its name (``"gradient"``).
@@ -144,6 +147,8 @@ class Scenario:
     rtol: float | None = attrs.field(default=None, kw_only=True)
     atol: float | None = attrs.field(default=None, kw_only=True)
     options: dict[Any, Any] = attrs.field(factory=dict, kw_only=True)
+    kwargs: dict[str, Any] = attrs.field(factory=dict, kw_only=True, converter=dict)
+    prep_kwargs: dict[str, Any] | None = attrs.field(default=None, kw_only=True, converter=attrs.converters.optional(dict))
     # (scenario, function): the expected result is function(scenario's expected result); set by transforms
     derived_from: tuple[Scenario, Callable[[Any], Any]] | None = attrs.field(default=None, kw_only=True)
     _expected: dict[Any, Any] = attrs.field(factory=dict, init=False)
@@ -156,6 +161,12 @@ class Scenario:
                     f"Scenario {self.name!r}: argument {position} is unannotated: {describe_type(arg)}; "
                     f"wrap it as Active(...), Constant(...) or Cache(...)."
                 )
+        for name, arg in {**self.kwargs, **(self.prep_kwargs or {})}.items():
+            if not isinstance(arg, Annotation):
+                raise TypeError(
+                    f"Scenario {self.name!r}: the keyword argument {name}= is an unannotated {type(arg).__name__}; "
+                    f"wrap it as Active(...), Constant(...) or Cache(...)."
+                )
         if self.name is None:
             self.name = f"{self.op}-{getattr(self.f, '__name__', 'f')}"
         seed = operator_of(self.op).seed
@@ -163,18 +174,24 @@ class Scenario:
             raise TypeError(f"Scenario {self.name!r}: {self.op} needs exactly one of tangent= or tangents=.")
 
     def __repr__(self) -> str:
-        kinds = ", ".join(f"{type(a).__name__}({type(a.value).__name__})" for a in self.args)
-        return f"Scenario({self.name!r}, {self.op}({kinds}))"
+        kinds = [f"{type(a).__name__}({type(a.value).__name__})" for a in self.args]
+        kinds += [f"{name}={type(a).__name__}({type(a.value).__name__})" for name, a in self.kwargs.items()]
+        return f"Scenario({self.name!r}, {self.op}({', '.join(kinds)}))"
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return tuple(a.kind for a in self.args)
+        return tuple(a.kind for a in (*self.args, *self.kwargs.values()))
+
+    @property
+    def every_arg(self) -> tuple[Any, ...]:
+        """The positional and then the keyword arguments (as the result orders the Actives)."""
+        return (*self.args, *self.kwargs.values())
 
     @property
     def framework(self) -> str:
         """``"torch"``, ``"jax"`` or ``"numpy"``: the framework of the arguments' arrays."""
         found: set[str | None] = set()
-        for arg in self.args:
+        for arg in self.every_arg:
             leaves, _ = flatten(arg.value)
             found.update(arrays.framework(leaf) for leaf in leaves)
         for name in ("torch", "jax"):
@@ -200,12 +217,13 @@ class Scenario:
         op = _operator_function(self.op)
         seeds = self.seed_kwargs()
         if not prepared:
-            return op(self.f, *self.args, backend=backend, **self.options, **seeds)
+            return op(self.f, *self.args, backend=backend, **self.options, **seeds, **self.kwargs)
         prep_args = self.prep_args or self.args
-        prep = activity.prepare(op, self.f, *prep_args, backend=backend, **self.options, **seeds)
+        prep_kwargs = self.kwargs if self.prep_args is None or self.prep_kwargs is None else self.prep_kwargs
+        prep = activity.prepare(op, self.f, *prep_args, backend=backend, **self.options, **seeds, **prep_kwargs)
         if self.prep_args is not None:
-            prep(*self.prep_args, **seeds)
-        return prep(*self.args, **seeds)
+            prep(*self.prep_args, **seeds, **prep_kwargs)
+        return prep(*self.args, **seeds, **self.kwargs)
 
     def expected(self, reference: Any = None) -> Any:
         """``result``, or the reference backend's result (computed once, on copies)."""

@@ -51,9 +51,9 @@ def constantify(scenario: Scenario) -> Scenario:
     fw = Framework(scenario.framework)
     f, has_aux = scenario.f, scenario.options.get("has_aux", False)
 
-    def with_constant(*args: Any) -> Any:
+    def with_constant(*args: Any, **keywords: Any) -> Any:
         *values, factor = args
-        return _map_output(f(*values), has_aux, lambda y: y * factor)
+        return _map_output(f(*values, **keywords), has_aux, lambda y: y * factor)
 
     prep = None if scenario.prep_args is None else (*scenario.prep_args, Constant(fw.array(2.0)))
     return scenario.derive(
@@ -76,14 +76,15 @@ def _write(buffer: Any, value: Any) -> Any:
 
 
 def _zeros_like_output(scenario: Scenario) -> Any:
-    values = copy.deepcopy([a.value for a in scenario.args])  # train-mode layers must not touch the originals
+    # train-mode layers must not touch the originals
+    values, keywords = copy.deepcopy(([a.value for a in scenario.args], {k: a.value for k, a in scenario.kwargs.items()}))
     if scenario.framework == "torch":
         import torch
 
         with torch.no_grad():
-            out = scenario.f(*values)
+            out = scenario.f(*values, **keywords)
     else:
-        out = scenario.f(*values)
+        out = scenario.f(*values, **keywords)
     if scenario.options.get("has_aux", False):
         out = out[0]
     leaves, spec = flatten(out)
@@ -105,9 +106,9 @@ def cachify(scenario: Scenario) -> Scenario:
     f, has_aux = scenario.f, scenario.options.get("has_aux", False)
     buffers = _zeros_like_output(scenario)
 
-    def through_cache(*args: Any) -> Any:
+    def through_cache(*args: Any, **keywords: Any) -> Any:
         *values, cache = args
-        out = f(*values)
+        out = f(*values, **keywords)
         value, aux = out if has_aux else (out, None)
         leaves, spec = flatten(value)
         written = [_write(buf, leaf) for buf, leaf in zip(flatten(cache)[0], leaves)]
@@ -124,8 +125,9 @@ def cachify(scenario: Scenario) -> Scenario:
 def closurify(scenario: Scenario) -> Scenario:
     """Move the ``Constant`` arguments into a closure: the old style of writing tests.
 
-    The closure captures the scenario's constants, so its results must equal
-    the annotated form's; migrating a closure-based suite is the reverse step.
+    The closure captures the scenario's constants (keyword ones too), so its
+    results must equal the annotated form's; migrating a closure-based suite
+    is the reverse step.
 
     >>> import numpy as np
     >>> import activity as ad
@@ -136,16 +138,28 @@ def closurify(scenario: Scenario) -> Scenario:
     (1, array([0., 1.]))
     """
     constants = {i: a.value for i, a in enumerate(scenario.args) if a.kind == "constant"}
-    if not constants:
+    keyword_constants = {name: a.value for name, a in scenario.kwargs.items() if a.kind == "constant"}
+    if not constants and not keyword_constants:
         return scenario.derive(name=scenario.name + "+closure")
     f, total = scenario.f, len(scenario.args)
 
-    def closure(*values: Any) -> Any:
+    def closure(*values: Any, **keywords: Any) -> Any:
         it = iter(values)
-        return f(*(constants[i] if i in constants else next(it) for i in range(total)))
+        return f(*(constants[i] if i in constants else next(it) for i in range(total)), **keywords, **keyword_constants)
 
-    keep: Callable[[Any], Any] = lambda args: None if args is None else tuple(a for a in args if a.kind != "constant")  # noqa: E731
-    return scenario.derive(f=closure, args=keep(scenario.args), prep_args=keep(scenario.prep_args), name=scenario.name + "+closure")
+    def keep(args: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        return None if args is None else tuple(a for a in args if a.kind != "constant")
+
+    def keep_named(kw: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if kw is None else {k: a for k, a in kw.items() if a.kind != "constant"}
+    return scenario.derive(
+        f=closure,
+        args=keep(scenario.args),
+        prep_args=keep(scenario.prep_args),
+        kwargs=keep_named(scenario.kwargs),
+        prep_kwargs=keep_named(scenario.prep_kwargs),
+        name=f"{scenario.name}+closure",
+    )
 
 
 def _scaled(tree: Any, factor: float) -> Any:
