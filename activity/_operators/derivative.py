@@ -48,6 +48,9 @@ def derivative(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backen
             `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The derivative, of the structure of ``f``'s output; a tuple of them for several Active
@@ -87,6 +90,9 @@ def value_and_derivative(f: Callable[..., Any], /, *args: Annotation[Any], backe
             `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, derivative)``: ``f``'s output and `derivative`'s result.

@@ -79,6 +79,9 @@ def gradient(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend 
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
         has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The gradient, of the structure of the Active argument (a dict keyed like
@@ -135,6 +138,9 @@ def value_and_gradient(
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
         has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, gradient)``, or ``((value, aux), gradient)`` with ``has_aux=True``.

@@ -43,6 +43,9 @@ def hessian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend |
             `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The Hessian: the Active argument's structure twice, leaves of shape ``shape_i + shape_j``;
@@ -98,6 +101,9 @@ def value_gradient_and_hessian(f: Callable[..., Any], /, *args: Annotation[Any],
             `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, gradient, hessian)``.

@@ -83,6 +83,9 @@ def hvp(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | Non
         tangent: one tangent, of the structure of the Active argument (a tuple of them for
             several Active arguments).
         tangents: a list of tangents instead, computed in one batched call where the backend can.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The Hessian-vector product, of the structure of the Active argument; a list for ``tangents=``.
@@ -166,6 +169,9 @@ def gradient_and_hvp(
         tangent: one tangent, of the structure of the Active argument (a tuple of them for
             several Active arguments).
         tangents: a list of tangents instead, computed in one batched call where the backend can.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(gradient, hvp)``.

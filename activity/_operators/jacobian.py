@@ -53,6 +53,9 @@ def jacobian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend 
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
         has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The Jacobian: ``f``'s output structure, then the Active argument's, each leaf of shape
@@ -85,6 +88,9 @@ def value_and_jacobian(
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
         has_aux: ``f`` returns ``(output, aux)``; ``aux`` is passed through, not differentiated.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.

@@ -112,6 +112,9 @@ def pullback(
             infers JAX or torch from the arguments.
         cotangent: one cotangent, of the structure of ``f``'s output.
         cotangents: a list of cotangents instead, computed in one batched call where the backend can.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The pulled-back cotangent, of the structure of the Active argument (a tuple for several);
@@ -194,6 +197,9 @@ def value_and_pullback(
             infers JAX or torch from the arguments.
         cotangent: one cotangent, of the structure of ``f``'s output.
         cotangents: a list of cotangents instead, computed in one batched call where the backend can.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, pullback)``.

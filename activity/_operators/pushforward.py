@@ -60,6 +60,9 @@ def pushforward(
         tangent: one tangent, of the structure of the Active argument (a tuple of them for
             several Active arguments).
         tangents: a list of tangents instead, computed in one batched call where the backend can.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The output tangent, of the structure of ``f``'s output; a list of them for ``tangents=``.
@@ -112,6 +115,9 @@ def value_and_pushforward(
         tangent: one tangent, of the structure of the Active argument (a tuple of them for
             several Active arguments).
         tangents: a list of tangents instead, computed in one batched call where the backend can.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, pushforward)``.

@@ -55,6 +55,9 @@ def second_derivative(f: Callable[..., Any], /, *args: Annotation[Any], backend:
             `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         The second derivative, of the structure of ``f``'s output; a tuple of tuples for several
@@ -96,6 +99,9 @@ def value_derivative_and_second_derivative(
             `Constant` (data) or `Cache` (scratch space ``f`` may overwrite).
         backend: `AutoJAX`, `AutoTorch`, `AutoFiniteDifferences` or `SecondOrder`; ``None``
             infers JAX or torch from the arguments.
+        **keywords: keyword arguments for ``f``, each annotated like ``*args`` and passed by name
+            (``scale=Constant(2.0)`` calls ``f(..., scale=2.0)``); Active ones come after the
+            positional Actives in the result.
 
     Returns:
         ``(value, derivative, second_derivative)``.

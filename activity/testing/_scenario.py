@@ -122,6 +122,8 @@ class Scenario:
         rtol: relative tolerance of the comparison (default: from the dtypes).
         atol: absolute tolerance of the comparison (default: from the dtypes).
         options: extra operator keywords, such as ``{"has_aux": True}``.
+        kwargs: annotated keyword arguments for ``f`` (``{"scale": Constant(2.0)}``), passed by name.
+        prep_kwargs: other values of the same kinds for the keyword arguments, to prepare with.
         derived_from: set by the transforms (``(scenario, function)``); not for direct use.
 
     Raises:
