@@ -71,6 +71,15 @@ def dtype_kind(x: Any) -> str:
     return {"u": "i"}.get(kind, kind) if kind in "fciub" else "?"
 
 
+def is_floating_dtype(dtype: Any) -> bool:
+    """Whether a dtype (or its numpy name) is floating, ml_dtypes' bfloat16 and float8 types included."""
+    try:
+        kind = np.dtype(dtype).kind
+    except TypeError:
+        return False
+    return kind == "f" or (kind == "V" and _is_ml_float(dtype))
+
+
 def _is_ml_float(dtype: Any) -> bool:
     ml_dtypes = sys.modules.get("ml_dtypes")  # imported by JAX; an array of these types implies it
     if ml_dtypes is None:

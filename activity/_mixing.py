@@ -210,9 +210,16 @@ def _to_numpy(leaf: Any, shape: tuple[int, ...], dtype: str) -> np.ndarray:
             tensor = tensor.float()
         leaf = tensor.numpy()
     out = leaf if isinstance(leaf, np.ndarray) and leaf.dtype == dtype else np.asarray(leaf, dtype=dtype)
-    if out.shape != shape:
-        out = np.broadcast_to(out, shape)
+    if out.shape != shape:  # never broadcast: that would return numbers for a shape g did not give
+        raise ValueError(_shape_changed(out.shape, shape))
     return out
+
+
+def _shape_changed(got: tuple[int, ...], announced: tuple[int, ...]) -> str:
+    return (
+        f"activity.differentiate_with: g returned an array of shape {tuple(got)} where its first call gave "
+        f"{tuple(announced)}; g's output shapes must follow from its input shapes and dtypes alone."
+    )
 
 
 # ------------------------------------------------------------------ the user-facing function
@@ -413,7 +420,7 @@ class _Signature:
                 )
         self.out_avals = tuple(_aval(leaf) for leaf in out_leaves)
         self.aux_avals = tuple(_aval(leaf) for leaf in aux_leaves)
-        self.out_float = tuple(_floating(dtype) for _, dtype in self.out_avals)
+        self.out_float = tuple(arrays.is_floating_dtype(dtype) for _, dtype in self.out_avals)
         float_avals = tuple(a for a, f in zip(self.out_avals, self.out_float) if f)
         self.node = _Node(self._differentiable, float_avals, 0, self.mixed, "g")
 
@@ -455,12 +462,6 @@ class _Signature:
     def _differentiable(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
         out_leaves, _ = self.split(self.run(diff, data, cache))
         return tuple(leaf for leaf, floating in zip(out_leaves, self.out_float) if floating)
-
-
-def _floating(dtype: str) -> bool:
-    """Whether a dtype (by name) is floating, the ml_dtypes ones (bfloat16, float8_*) included."""
-    kind = np.dtype(dtype).kind
-    return kind == "f" or (kind == "V" and arrays._is_ml_float(np.dtype(dtype)))
 
 
 def _aval(leaf: Any) -> tuple[tuple[int, ...], str]:

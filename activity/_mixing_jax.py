@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._mixing import _floating, _Mixed, _Node, _Parsed, _Signature, _to_inner, _to_numpy
+from . import _arrays as arrays
+from ._mixing import _Mixed, _Node, _Parsed, _Signature, _to_inner, _to_numpy
 
 _errors = threading.local()  # the exception g raised inside a callback, re-raised in its place
 
@@ -201,7 +202,7 @@ def _zero_tangent(y: Any) -> Any:
     """The tangent of an output that is not differentiated (aux, integer outputs)."""
     import jax
 
-    if _floating(str(y.dtype)) or np.dtype(y.dtype).kind == "c":
+    if arrays.is_floating_dtype(str(y.dtype)) or np.dtype(y.dtype).kind == "c":
         return jax.numpy.zeros_like(y)
     return np.zeros(y.shape, jax.dtypes.float0)
 

@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._mixing import _Mixed, _Node, _Parsed, _Signature, _to_inner
+from . import _arrays as arrays
+from ._mixing import _shape_changed, _Mixed, _Node, _Parsed, _Signature, _to_inner
 
 _FUNCTION: Any = None
 
@@ -44,7 +45,7 @@ def _to_torch(leaf: Any, shape: tuple[int, ...], dtype: str, device: Any) -> Any
     """An inner result as a torch tensor of the announced dtype (DLPack: no copy from JAX on CPU)."""
     import torch
 
-    if arrays_is_jax(leaf):
+    if arrays.is_jax(leaf):
         tensor = torch.utils.dlpack.from_dlpack(leaf)
     elif isinstance(leaf, torch.Tensor):
         tensor = leaf.detach()
@@ -52,13 +53,9 @@ def _to_torch(leaf: Any, shape: tuple[int, ...], dtype: str, device: Any) -> Any
         array = np.asarray(leaf)
         tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
     tensor = tensor.to(device=device, dtype=getattr(torch, dtype))
-    return tensor.expand(shape) if tuple(tensor.shape) != shape else tensor
-
-
-def arrays_is_jax(leaf: Any) -> bool:
-    from . import _arrays
-
-    return _arrays.is_jax(leaf)
+    if tuple(tensor.shape) != shape:  # never broadcast: that would return numbers for a shape g did not give
+        raise ValueError(_shape_changed(tuple(tensor.shape), shape))
+    return tensor
 
 
 class _TorchFunction:
