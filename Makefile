@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml Makefile
 	@# The exact torch first: here 2.13.0 is a local CPU wheel, and the [torch] extra's range
 	@# (torch>=2.2) then accepts it instead of downloading a CUDA build.
 	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	# The project was installed as "activity" before its rename to activity-ad: two copies would load the pytest plugin twice.
+	$(PY) -m pip uninstall --quiet --yes activity 2>/dev/null || true
+	rm -rf activity.egg-info
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,testing,test,docs,bench]"
 	touch $(STAMP)
 
