@@ -507,6 +507,30 @@ def test_cdist_jacobian_and_batched_pullback_match_the_tape():
         torch.testing.assert_close(g, torch.autograd.grad(out, leaf, ct, retain_graph=True)[0])
 
 
+def test_prepared_jacobians_check_torchs_batching_once_and_stay_right():
+    """A prepared operator checks its batched backward pass on its first call and keeps the
+    verdict: cdist (a wrong batching rule) is looped on every call, warned about once; a
+    function torch batches right is vectorised on every call, on new values too."""
+    import warnings
+
+    y = randn(1, 6, seed=4, dtype=torch.float64)
+    f = lambda x, y: torch.cdist(x, y)  # noqa: E731
+    x = randn(2, 6, seed=3, dtype=torch.float64)
+    jacobian = ad.prepare(ad.jacobian, f, Active(x), Constant(y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (3, 7, 8):
+            x = randn(2, 6, seed=seed, dtype=torch.float64)
+            torch.testing.assert_close(jacobian(x, y), tape_jacobian(lambda x: f(x, y), x))
+    assert sum("disagreed" in str(w.message) for w in caught) == 1
+    g = lambda v, a: torch.tanh(a @ v)  # noqa: E731
+    a = randn(3, 5, seed=1, dtype=torch.float64)
+    right = ad.prepare(ad.jacobian, g, Active(randn(5, seed=2, dtype=torch.float64)), Constant(a))
+    for seed in (2, 9):
+        v = randn(5, seed=seed, dtype=torch.float64)
+        torch.testing.assert_close(right(v, a), tape_jacobian(lambda v: g(v, a), v))
+
+
 def test_cdist_jacobians_under_an_outer_vmap_are_right():
     # Inside torch.func the tape is unavailable and torch's batching rule for _cdist_backward
     # is wrong; the linearity probe must catch it.

@@ -19,6 +19,7 @@ and ``.grad`` of the user's module never change.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 import threading
@@ -260,7 +261,7 @@ class AutoTorch(Backend):
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
                 return one(cts)
-            return _batched(one, cts, self)
+            return _batched(one, cts, self, getattr(F, "problem", None))
 
         return tuple(y.detach() for y in ys), aux, pull
 
@@ -370,18 +371,41 @@ def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None) -> 
     return tuple(grads)
 
 
-def _batched(one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch) -> Flat:
+@attrs.define
+class _BatchingVerdict:
+    """What `_agrees_with_one` found for a prepared operator's batched backward passes: checked
+    on its first call, then taken as found (the same f runs the same operations call after
+    call); ``agrees`` False: one cotangent at a time from then on."""
+
+    problem: Any  # the prepared operator's problem: a nested call inside f has its own
+    agrees: bool | None = None
+
+
+# The verdict of the prepared call running in this context (`_checked_pipeline`); None: unprepared.
+_VERDICT: contextvars.ContextVar[_BatchingVerdict | None] = contextvars.ContextVar("activity_torch_batching", default=None)
+
+
+def _batched(one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch, problem: Any = None) -> Flat:
     """``one`` over a batch of cotangents: `vmap` over the tape's backward pass (much faster
-    than ``is_grads_batched``, which runs torch's older vmap), checked by `_agrees_with_one`;
-    one cotangent at a time where torch cannot batch it or batches it wrong."""
-    if backend.vectorize is not False:
+    than ``is_grads_batched``, which runs torch's older vmap), checked by `_agrees_with_one`
+    (once per prepared operator); one cotangent at a time where torch cannot batch it or
+    batches it wrong."""
+    verdict = _VERDICT.get()
+    if verdict is not None and (problem is None or verdict.problem is not problem):
+        verdict = None
+    if backend.vectorize is not False and not (verdict is not None and verdict.agrees is False and not backend.vectorize):
         try:
-            batch = _torch().func.vmap(one, randomness=backend.randomness)(cts)
+            batch: Flat = _torch().func.vmap(one, randomness=backend.randomness)(cts)
         except (RuntimeError, NotImplementedError) as error:
             if backend.vectorize or not _is_transform_limit(error):
                 raise
         else:
-            return batch if backend.vectorize or _agrees_with_one(batch, cts, one) else _loop(one, cts)
+            if backend.vectorize or (verdict is not None and verdict.agrees):
+                return batch
+            agrees = _agrees_with_one(batch, cts, one)
+            if verdict is not None:
+                verdict.agrees = agrees
+            return batch if agrees else _loop(one, cts)
     return _loop(one, cts)
 
 
@@ -555,7 +579,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
             )
         return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
 
-    hvps = _batched(one, ts, backend) if batched else one(ts)
+    hvps = _batched(one, ts, backend, getattr(F, "problem", None)) if batched else one(ts)
     detached = tuple(g.detach() for g in grads)
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
@@ -829,6 +853,7 @@ def _checked_pipeline(plan: Any, backend: AutoTorch | None = None) -> Callable[.
     from .._operators._common import encode_seeds  # the operators import the backends
 
     tangent_seeds = _tangent_checker(problem, operator)
+    verdict = _BatchingVerdict(problem)
 
     def call(*values: Any, **seed_kwargs: Any) -> Any:
         split = None if len(values) != n_args or torch.is_inference_mode_enabled() else split_checked(values)
@@ -841,8 +866,12 @@ def _checked_pipeline(plan: Any, backend: AutoTorch | None = None) -> Callable[.
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
         if (None if seeds is None else seeds.key) != seed_key:
             raise SignatureChanged
-        with backend.context():
-            return finalize(pipeline(*split, None if seeds is None else seeds.leaves), problem)
+        token = _VERDICT.set(verdict)
+        try:
+            with backend.context():
+                return finalize(pipeline(*split, None if seeds is None else seeds.leaves), problem)
+        finally:
+            _VERDICT.reset(token)
 
     return call
 
