@@ -291,6 +291,10 @@ class AutoTorch(Backend):
             return _func_jvp(F, xs, ts, batched, self)
         state = _rng_state()
         try:
+            # One tangent through f itself (not a gradient function another transform made):
+            # dual tensors, the same forward-mode rules as torch.func.jvp without its wrapping.
+            if not batched and hasattr(F, "problem"):
+                return _dual_jvp(F, xs, ts)
             return _func_jvp(F, xs, ts, batched, self)
         except (RuntimeError, NotImplementedError) as error:
             if self.vectorize or not _is_transform_limit(error):
@@ -506,6 +510,29 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
         return ys, aux
 
     return checked
+
+
+def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
+    """One tangent by forward-mode AD on dual tensors (`torch.autograd.forward_ad`), outside
+    every `torch.func` transform: on a small model a third of `torch.func.jvp`'s time, which
+    wraps every input and output for its transform levels. Dual tensors are fresh views,
+    so only the Active occurrence carries the tangent."""
+    torch = _torch()
+    forward_ad = torch.autograd.forward_ad
+    with _FORWARD_AD, forward_ad.dual_level():
+        ys, aux = F(tuple(map(forward_ad.make_dual, xs, ts)))
+        unpacked = [forward_ad.unpack_dual(y) for y in ys]
+        if ys and all(u.tangent is None for u in unpacked) and any(arrays.size(x) for x in xs):
+            raise _disconnected(getattr(F, "op_name", None))
+        dys = tuple(
+            torch.zeros_like(u.primal) if u.tangent is None else u.tangent if u.tangent.dtype == u.primal.dtype else u.tangent.to(u.primal.dtype)
+            for u in unpacked
+        )
+        primals = tuple(u.primal for u in unpacked)
+        if aux is not None:
+            leaves, spec = flatten(aux)
+            aux = unflatten(spec, [forward_ad.unpack_dual(a).primal if isinstance(a, torch.Tensor) else a for a in leaves])
+    return primals, aux, dys
 
 
 def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoTorch) -> tuple[Flat, Any, Flat]:
