@@ -368,6 +368,11 @@ def _rng_state() -> Any:
 
 def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None) -> Flat:
     """Zeros where a leaf is unused; an error where every leaf is (the output is cut from them)."""
+    for g in grads:  # the usual case, every leaf used, in one pass
+        if g is None:
+            break
+    else:
+        return tuple(grads)
     if all(g is None for g in grads) and any(arrays.size(x) for x in xs):
         raise _disconnected(op_name)
     if any(g is None for g in grads):
@@ -1069,7 +1074,8 @@ def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool 
     """
     torch = _torch()
     engine = _engine()
-    if engine is not None and all(type(y) is torch.Tensor for y in outputs):
+    tensor = torch.Tensor
+    if engine is not None and (type(outputs[0]) is tensor if len(outputs) == 1 else all(type(y) is tensor for y in outputs)):
         return engine.run_backward(  # type: ignore[no-any-return]
             outputs, cotangents, retain_graph or create_graph, create_graph, leaves, True, False
         )
