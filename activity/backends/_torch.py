@@ -829,6 +829,7 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
     op_name, seed_key = operator.name, plan.seed_key
     tensor_type = torch.Tensor
     lone_module = _lone_module(problem)
+    one_tensor = seed_key == (None, LEAF)  # prepared with one tensor cotangent
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
@@ -836,12 +837,14 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
         if len(values) != n_args or not _usable(torch):
             raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
-        if len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
-            seeds = Seeds((cotangent,), None, LEAF)  # what `encode_seeds` makes of one tensor, without a walk
+        if one_tensor and len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
+            cts_given: Flat = (cotangent,)  # what `encode_seeds` makes of one tensor, without a walk
+            seeds = None
         else:
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
-        if seeds.key != seed_key:
-            raise SignatureChanged
+            if seeds.key != seed_key:
+                raise SignatureChanged
+            cts_given = seeds.leaves
         got = split_checked.arguments(values)
         if got is None:
             raise SignatureChanged
@@ -852,18 +855,19 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
         try:
             out = problem.call(f, args)
             if (
-                type(out) is tensor_type
-                and seeds.spec is LEAF
+                seeds is None
+                and type(out) is tensor_type
                 and out.requires_grad
-                and out.dtype is seeds.leaves[0].dtype
-                and out.shape == seeds.leaves[0].shape
-                and out.dtype.is_floating_point
+                and out.dtype is cotangent.dtype
+                and out.shape == cotangent.shape
             ):  # one tensor out, a cotangent of its shape and dtype: what the checks below pass as it is
-                ys, cts, connected = (out,), seeds.leaves, [0]
+                ys, cts, connected = (out,), cts_given, [0]
             else:
+                if seeds is None:
+                    seeds = Seeds(cts_given, None, LEAF)
                 traced = Traced()
                 ys, traced.out_spec = problem.output_leaves(out, False)
-                cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
+                cts = checked_cotangents(problem, traced, seeds, cts_given, ys)
                 connected = [i for i, y in enumerate(ys) if y.requires_grad]
                 if not connected:
                     raise _disconnected(op_name)
