@@ -110,6 +110,7 @@ class _Function:
         self.floating = tuple(floating)
         self._vjp: Any = None
         self._jvp: Any = None
+        self.lane: Callable[[], Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], Sequence[Any]]] = lambda: run
 
     def __call__(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
         version = self._jvp_version() if _forward_mode((*diff, *data, *cache)) else self._vjp_version()
@@ -123,13 +124,24 @@ class _Function:
         sizes = (len(diff), len(data), len(cache))
         base = [tuple(np.shape(leaf)) for leaf in (*diff, *data, *cache)]
         mixed = self.mixed
+        # Everything that depends only on the signature is settled here, at trace time: how each
+        # argument crosses into g's framework, how each result comes back (and is checked), and
+        # the prepared inner operator (looked up once, on the first call).
+        importers = [_importer(mixed.inner, str(leaf.dtype), copy=k >= sizes[0] + sizes[1])
+                     for k, leaf in enumerate((*diff, *data, *cache))]
+        exporters = [_exporter(mixed.inner, shape, dtype) for shape, dtype in self.avals]
+        run = self.lane()
+        a, b = sizes[0], sizes[0] + sizes[1]
+        rank = len(base[0]) if base else 0
 
         def host(*flat: Any) -> list[Any]:
             try:
-                if batched is not None and any(x.ndim > len(b) for x, b in zip(flat, base)):
+                # under jax.vmap a derivative gets every argument with leading batch axes
+                if batched is not None and flat[0].ndim != rank:
                     return batched(flat, base, sizes)
-                groups = _regroup(flat, sizes, mixed.inner)
-                return [_to_numpy(leaf, *aval) for leaf, aval in zip(self.run(*groups), self.avals)]
+                inner = [imported(leaf) for imported, leaf in zip(importers, flat)]
+                results = run(tuple(inner[:a]), tuple(inner[a:b]), tuple(inner[b:]))
+                return [exported(leaf) for exported, leaf in zip(exporters, results)]
             except Exception as error:
                 _errors.error = mixed.noted(error)
                 raise
@@ -232,6 +244,61 @@ def _jax_array() -> type:
     return jax.Array
 
 
+def _importer(framework: str, dtype: str, copy: bool) -> Callable[[Any], Any]:
+    """How one callback argument (a ``jax.Array``) becomes g's: DLPack into torch for every
+    dtype DLPack carries; a Cache is copied (g may write into it, never into JAX's buffer)."""
+    if framework == "torch" and dtype != "bool" and not copy:
+        import torch
+
+        from_dlpack = torch.utils.dlpack.from_dlpack
+        shared = _jax_array()
+
+        def imported(leaf: Any) -> Any:
+            return from_dlpack(leaf) if isinstance(leaf, shared) else _to_inner(leaf, framework)
+
+        return imported
+    if copy:
+        return lambda leaf: _scratch(_to_inner(leaf, framework))
+    return lambda leaf: _to_inner(leaf, framework)
+
+
+def _scratch(leaf: Any) -> Any:
+    return leaf.clone() if hasattr(leaf, "clone") else np.array(leaf)
+
+
+def _exporter(framework: str, shape: tuple[int, ...], dtype: str) -> Callable[[Any], np.ndarray]:
+    """How one result of g goes back to JAX as the announced shape and dtype: a result that
+    already is (a CPU torch tensor or numpy array of that dtype and shape) is handed over as
+    is; anything else takes `_to_numpy`, which converts or says what differs."""
+    if framework == "torch":
+        import torch
+
+        expected = getattr(torch, dtype, None)
+        size = torch.Size(shape)
+        tensor = torch.Tensor
+
+        def exported(leaf: Any) -> np.ndarray:
+            if type(leaf) is tensor and leaf.dtype is expected and leaf.shape == size and not leaf.requires_grad:
+                try:
+                    return leaf.numpy()
+                except (RuntimeError, TypeError):  # not on the CPU, or no numpy dtype: converted
+                    pass
+            return _to_numpy(leaf, shape, dtype)
+
+        return exported
+    try:
+        numpy_dtype: Any = np.dtype(dtype)
+    except TypeError:  # a dtype numpy does not name (bfloat16 without ml_dtypes): always converted
+        numpy_dtype = None
+
+    def exported_array(leaf: Any) -> np.ndarray:
+        if type(leaf) is np.ndarray and leaf.dtype == numpy_dtype and leaf.shape == shape:
+            return leaf
+        return _to_numpy(leaf, shape, dtype)
+
+    return exported_array
+
+
 def _reraising(run: Callable[[], Any]) -> Any:
     """``run()``; an exception g raised in a callback comes back as itself (JAX wraps it
     in a runtime error) where the callback ran eagerly; under ``jax.jit`` JAX's error
@@ -270,6 +337,7 @@ def _node_function(mixed: _Mixed, node: _Node) -> _Function:
     if function is None:
         avals = _jax_avals(node.out_avals)
         function = _Function(mixed, lambda d, c, s: list(node.fn(d, c, s)), node, avals, [True] * len(avals))
+        function.lane = node.lane
         node.jax_function = function  # type: ignore[attr-defined]
     return function
 
