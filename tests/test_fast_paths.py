@@ -111,6 +111,145 @@ def test_prepared_hvp_of_one_tangent_matches_double_backward():
 # ---------------------------------------------------------------- unprepared torch
 
 
+# A prepared torch gradient keeps a view of the module and tape leaves aliasing its
+# parameters between calls (`ReusedView`): each test changes the module between calls the
+# way users do and compares with `torch.autograd.grad` on the module as it is then.
+
+
+@pytest.mark.parametrize("op", ["gradient", "value_and_gradient", "pullback"])
+def test_prepared_calls_follow_in_place_updates_and_new_storage_of_parameters(op):
+    model, x = mlp(), data(5, 4)
+    loss = mse if op != "pullback" else (lambda m, x: m(x))
+    seeds = {} if op != "pullback" else {"cotangent": torch.ones(5, 1)}
+    prepared = ad.prepare(getattr(ad, op), loss, Active(model), Constant(x), **seeds)
+
+    def expected() -> dict:
+        if op != "pullback":
+            return raw_gradient(model, x)
+        named = [(n, p) for n, p in model.named_parameters()]
+        grads = torch.autograd.grad(model(x), [p for _, p in named], torch.ones(5, 1))
+        return {n: g for (n, _), g in zip(named, grads)}
+
+    def got() -> dict:
+        result = prepared(model, x, **seeds)
+        return result[1] if op == "value_and_gradient" else result
+
+    assert_dicts_close(got(), expected())
+    with torch.no_grad():  # what an optimizer step does
+        for p in model.parameters():
+            p.add_(0.5 * torch.ones_like(p))
+    assert_dicts_close(got(), expected())
+    model[0].weight.data = data(4, 4, seed=7)  # new storage, same shape
+    assert_dicts_close(got(), expected())
+    with torch.no_grad():
+        model[0].weight.copy_(data(4, 4, seed=8))
+    assert_dicts_close(got(), expected())
+
+
+def test_prepared_gradient_follows_train_and_eval_between_calls():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1))
+    x = data(6, 4)
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    stats = model[1].running_mean.clone()
+    for mode in (True, False, True, False):
+        model.train(mode)
+        twin = __import__("copy").deepcopy(model)  # the raw call changes its module's statistics
+        assert_dicts_close(prepared(model, x), raw_gradient(twin, x))
+        torch.testing.assert_close(model[1].running_mean, stats, rtol=0, atol=0)  # never the user's
+
+
+class Counting(nn.Module):
+    """Sets an attribute on itself in forward, and reads it: each call must see the module as
+    the user has it (without the attribute), not what an earlier call left on a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, x):
+        scale = 3.0 if getattr(self, "seen", False) else 1.0
+        self.seen = True
+        return scale * self.layer(x)
+
+
+def test_prepared_gradient_does_not_carry_attributes_f_set_on_the_view_into_the_next_call():
+    model, x = Counting(), data(5, 4)
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    fresh = Counting()
+    fresh.load_state_dict(model.state_dict())
+    for _ in range(3):
+        assert_dicts_close(prepared(model, x), raw_gradient(__import__("copy").deepcopy(fresh), x))
+    assert not hasattr(model, "seen")
+
+
+def test_a_module_f_keeps_stays_usable_and_later_calls_stay_right():
+    model, x = mlp(), data(5, 4)
+    kept = []
+
+    def loss(m, x):
+        kept.append(m)
+        return mse(m, x)
+
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    first = prepared(model, x)
+    assert_dicts_close(first, raw_gradient(model, x))
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)
+    assert_dicts_close(prepared(model, x), raw_gradient(model, x))
+    # the module f kept from the first call is still a whole module (its flags, its layers)
+    assert kept[0].training and kept[0](x).shape == (5, 1)
+
+
+def test_prepared_gradient_called_inside_f_of_itself_is_right():
+    model, x = mlp(), data(5, 4)
+    depth, inner = [0], []
+
+    def loss(m, x):
+        depth[0] += 1
+        if depth[0] == 1:
+            inner.append(prepared(model, x))  # a nested call while this call holds the view
+        return mse(m, x)
+
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    outer = prepared(model, x)
+    assert len(inner) == 1
+    assert_dicts_close(outer, raw_gradient(model, x))
+    assert_dicts_close(inner[0], raw_gradient(model, x))
+    depth[0] = 0
+    assert_dicts_close(prepared(model, x), raw_gradient(model, x))  # the views went back whole
+
+
+def test_an_error_raised_by_f_propagates_and_the_next_call_is_right():
+    model, x = mlp(), data(5, 4)
+    fail = [True]
+
+    def loss(m, x):
+        m.partial = True  # left on the view by the failed call
+        if fail[0]:
+            raise KeyError("from f")
+        return mse(m, x)
+
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    with pytest.raises(KeyError, match="from f"):
+        prepared(model, x)
+    fail[0] = False
+    assert_dicts_close(prepared(model, x), raw_gradient(model, x))
+    assert not hasattr(model, "partial")
+
+
+def test_a_prepared_gradient_keeps_no_dropped_model_alive_once_it_is_dropped_too():
+    model, x = mlp(), data(5, 4)
+    model.forward = __import__("functools").partial(nn.Sequential.forward, model)  # a cycle through __dict__
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    for _ in range(3):
+        assert_dicts_close(prepared(model, x), raw_gradient(model, x))
+    module = weakref.ref(model)
+    del model, prepared
+    gc.collect()
+    assert module() is None
+
+
 def test_unprepared_calls_of_one_signature_each_get_their_own_models_gradient():
     x = data(5, 4)
     first, second = mlp(seed=0), mlp(seed=1)

@@ -33,7 +33,7 @@ from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
-from ._torch_modules import ModuleDescription, bound_view, described
+from ._torch_modules import ModuleDescription, bound_view, described, lease_view, release_view
 
 
 def _torch() -> Any:
@@ -581,6 +581,7 @@ class _FastSplit:
                 return
             entries.append((position, roles[0], kind == "active", bare_type, metas[0]))
         self.entries = tuple(entries)
+        self.direct = all(entry[1] != "tree" for entry in entries)
 
     def __call__(self, values: tuple[Any, ...]) -> tuple[Flat, Flat] | None:
         problem = self.problem
@@ -622,9 +623,75 @@ class _FastSplit:
         return tuple(xs), tuple(ctx)
 
 
+    def arguments(self, values: tuple[Any, ...]) -> tuple[list[Any], Flat, Flat, list[Any]] | None:
+        """f's arguments for one call on the tape, checked like `__call__`: ``(args, leaves, xs,
+        leases)``, the tape leaves made from the differentiated tensors ``xs``; the leased views
+        (`lease_view`) go back with `release` once the call is done. None: not this signature.
+
+        An Active module gets a reused view whose leaves alias its parameters (made once, not
+        per call); a tensor gets a fresh leaf. Pytrees take `Problem.rebuild`.
+        """
+        if self.entries is None or not self.direct:
+            return self._rebuilt(values)
+        problem = self.problem
+        described = problem._described
+        tensor_type = _torch().Tensor
+        args: list[Any] = []
+        leaves: list[Any] = []
+        xs: list[Any] = []
+        leases: list[Any] = []
+        for position, role, active, bare_type, meta in self.entries:
+            value = values[position]
+            if type(value) is not bare_type:
+                return self._rebuilt(values, leases)
+            if role == "module":
+                description = described[(position, 0)]
+                if not description.still_describes(value):
+                    return self._rebuilt(values, leases)
+                if not active:
+                    args.append(problem.backend.bind_module(description, None))
+                    continue
+                if description.has_inference:  # its tensors are cloned for the tape: nothing to alias
+                    own = tuple(map(_tape_leaf, description.params))
+                    args.append(bound_view(description, list(own), _copy_for_view))
+                else:
+                    lease = lease_view(description, _copy_for_view)
+                    leases.append((description, lease))
+                    own = lease.leaves
+                    args.append(lease.root)
+                leaves += own
+                xs += description.params
+                continue
+            if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
+                return self._rebuilt(values, leases)
+            if role == "diff":
+                leaf = _tape_leaf(value)
+                leaves.append(leaf)
+                xs.append(value)
+                args.append(leaf)
+            else:
+                args.append(_plain(value))
+        return args, tuple(leaves), tuple(xs), leases
+
+    def _rebuilt(self, values: tuple[Any, ...], leases: list[Any] | None = None) -> tuple[list[Any], Flat, Flat, list[Any]] | None:
+        if leases:
+            _release(leases)
+        split = self(values) if self.entries is not None and not self.direct else self.fallback(values, self.problem.kinds)
+        if split is None:
+            return None
+        xs, ctx = split
+        leaves = tuple(map(_tape_leaf, xs))
+        return self.problem.rebuild(leaves, tuple(map(_plain, ctx))), leaves, xs, []
+
+
+def _release(leases: list[Any]) -> None:
+    for description, lease in leases:
+        release_view(description, lease)
+
+
 def _usable(torch: Any) -> bool:
     """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform."""
-    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not _inside_functorch()
+    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and torch._C._functorch.maybe_current_level() is None
 
 
 def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
@@ -641,21 +708,33 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     torch = _torch()
     n_args = len(problem.kinds)
     split_checked = _FastSplit(problem, fallback)
+    arguments = split_checked.arguments
     value_wanted = op_name == "value_and_gradient"
+    # One Active module and nothing else differentiated: the result is its gradients by name.
+    actives = problem.active_positions
+    lone_module = (actives[0], 0) if len(actives) == 1 and problem.bare[actives[0]] and problem.roles[actives[0]][0] == "module" else None
     tensor_type = torch.Tensor
 
     def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
-        split = None if seed_kwargs or len(values) != n_args or not _usable(torch) else split_checked(values)
-        if split is None:
+        got = None if seed_kwargs or len(values) != n_args or not _usable(torch) else arguments(values)
+        if got is None:
             raise SignatureChanged
-        xs, ctx = split
-        leaves = tuple(map(_tape_leaf, xs))
-        out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
-        if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
-            y, spec = out, None
-        else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
-            (y,), spec = problem.output_leaves(out, scalar=True)
-        result = problem.like_active(_tape_grads(y, leaves, xs, op_name))
+        args, leaves, xs, leases = got
+        del got
+        out: Any = None
+        try:
+            out = problem.call(f, args)
+            if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
+                y, spec = out, None
+            else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
+                (y,), spec = problem.output_leaves(out, scalar=True)
+            grads = _tape_grads(y, leaves, xs, op_name)
+        finally:
+            if leases:
+                args.clear()  # a leased view goes back only if nothing of ours still holds it
+                out = None
+                _release(leases)
+        result = dict(zip(problem.module_names[lone_module], grads)) if lone_module else problem.like_active(grads)
         if not value_wanted:
             return result
         value = y.detach()
@@ -678,8 +757,7 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
     from .._operators.pullback import checked_cotangents
 
     def pullback(*values: Any, **seed_kwargs: Any) -> Any:
-        split = None if len(values) != n_args or not _usable(torch) else split_checked(values)
-        if split is None:
+        if len(values) != n_args or not _usable(torch):
             raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
         if len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
@@ -688,18 +766,26 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
         if seeds.key != seed_key:
             raise SignatureChanged
-        xs, ctx = split
-        leaves = tuple(map(_tape_leaf, xs))
-        out = problem.call(f, problem.rebuild(leaves, tuple(map(_plain, ctx))))
-        traced = Traced()
-        ys, traced.out_spec = problem.output_leaves(out, False)
-        cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
-        connected = [i for i, y in enumerate(ys) if y.requires_grad]
-        if not connected:
-            raise _disconnected(op_name)
-        grads = torch.autograd.grad(
-            [ys[i] for i in connected], leaves, [cts[i] for i in connected], allow_unused=True
-        )
+        got = split_checked.arguments(values)
+        if got is None:
+            raise SignatureChanged
+        args, leaves, xs, leases = got
+        del got
+        out: Any = None
+        try:
+            out = problem.call(f, args)
+            traced = Traced()
+            ys, traced.out_spec = problem.output_leaves(out, False)
+            cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
+            connected = [i for i, y in enumerate(ys) if y.requires_grad]
+            if not connected:
+                raise _disconnected(op_name)
+            grads = _backward(tuple(ys[i] for i in connected), tuple(cts[i] for i in connected), leaves)
+        finally:
+            if leases:
+                args.clear()  # as in `_tape_gradient`
+                out = None
+                _release(leases)
         result = problem.like_active(_zeros_for_unused(grads, xs, op_name))
         if not value_wanted:
             return result
@@ -769,7 +855,36 @@ def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:
     (zeros for a leaf ``y`` does not depend on; an error if it depends on none)."""
     if not y.requires_grad:
         raise _disconnected(op_name)
-    return _zeros_for_unused(_torch().autograd.grad(y, leaves, allow_unused=True), xs, op_name)
+    torch = _torch()
+    return _zeros_for_unused(_backward((y,), (torch.ones_like(y),), leaves), xs, op_name)
+
+
+def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool = False, retain_graph: bool = False) -> Flat:
+    """``torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)`` for cotangents the
+    caller has checked (same shapes and dtypes as the outputs), and leaves it made itself.
+
+    Plain tensors go straight to the autograd engine, as `torch.autograd.grad` does after its
+    argument handling: on a small model that handling costs as much as a tenth of the call.
+    A tensor subclass (its ``__torch_function__`` may change the call) takes the public call.
+    """
+    torch = _torch()
+    engine = _engine()
+    if engine is not None and all(type(y) is torch.Tensor for y in outputs):
+        return engine.run_backward(  # type: ignore[no-any-return]
+            outputs, cotangents, retain_graph or create_graph, create_graph, leaves, True, False
+        )
+    return tuple(
+        torch.autograd.grad(
+            outputs, leaves, cotangents, retain_graph=retain_graph or create_graph, create_graph=create_graph, allow_unused=True
+        )
+    )
+
+
+@functools.cache
+def _engine() -> Any:
+    """torch's autograd engine, where this torch version exposes it as `torch.autograd.grad` uses it."""
+    engine = getattr(_torch().autograd.Variable, "_execution_engine", None)
+    return engine if callable(getattr(engine, "run_backward", None)) else None
 
 
 def _scalar_with_aux(F: FlatFunction) -> Callable[..., Any]:

@@ -59,19 +59,20 @@ class ModuleDescription:
     # each module's __dict__: its size (a new instance attribute such as `forward`) and the
     # ids of the values a view redirects (an instance `forward` replaced by another).
     # Kept flat, so that the check is a few C-level passes (`still_describes`).
-    slot_dicts: tuple[Any, ...] = ()
+    slot_dicts: tuple[Any, ...] = ()  # then each submodule's __dict__ (its size: a new instance attribute)
     slot_sizes: tuple[Any, ...] = ()
+    root_size: int = 0  # len(module.__dict__), which may refer to the module itself: not held
     filled_dicts: tuple[Any, ...] = ()  # the slot dicts that hold something
     slot_objects: tuple[Any, ...] = ()  # what they hold, in order
     tensors: tuple[Any, ...] = ()
     tensor_metas: tuple[Any, ...] = ()  # _TENSOR_META of each tensor
     module_refs: tuple[Any, ...] = ()  # weakref.ref to every visited module
-    state_sizes: tuple[Any, ...] = ()  # len(module.__dict__) of each
     watched: tuple[Any, ...] = ()  # (index into module_refs, ((key, id(value)), ...)) where a view redirects keys
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict[Any, Any] = attrs.field(factory=dict)
     plans: dict[Any, Any] = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
     narrowed: dict[tuple[str, ...], Any] = attrs.field(factory=dict)  # selected names -> the description `selecting` them
+    reused: list[Any] = attrs.field(factory=list)  # idle `ReusedView`s of this description (see `lease_view`)
 
     @property
     def module(self) -> Any:
@@ -88,7 +89,7 @@ class ModuleDescription:
             keep = set(names)
             pairs = [(name, p) for name, p in zip(self.names, self.params) if name in keep]
             found = attrs.evolve(
-                self, names=[n for n, _ in pairs], params=[p for _, p in pairs], plans={}, narrowed={}
+                self, names=[n for n, _ in pairs], params=[p for _, p in pairs], plans={}, narrowed={}, reused=[]
             )
             self.narrowed[tuple(names)] = found
         return found
@@ -99,17 +100,14 @@ class ModuleDescription:
         device and ``requires_grad``, no new instance attribute, the same values where a
         view redirects one. Cheaper than a new walk (no names, no layout): it runs on
         every prepared call, so each part is one pass of C-level iteration."""
-        if module is not self.module_ref():
+        if module is not self.module_ref() or len(module.__dict__) != self.root_size:
             return False
-        if tuple(map(len, self.slot_dicts)) != self.slot_sizes:
+        if tuple(map(len, self.slot_dicts)) != self.slot_sizes:  # every submodule's __dict__ among them
             return False
         # With every size unchanged, the values in order are the same objects or a slot changed.
         if not all(map(operator.is_, itertools.chain.from_iterable(map(dict.values, self.filled_dicts)), self.slot_objects)):
             return False
         if tuple(map(_TENSOR_META, self.tensors)) != self.tensor_metas:
-            return False
-        # The slots hold every submodule alive, so each reference resolves.
-        if tuple(map(len, map(vars, map(operator.call, self.module_refs)))) != self.state_sizes:
             return False
         for index, keys in self.watched:
             state = self.module_refs[index]().__dict__
@@ -175,14 +173,15 @@ def describe_module(module: Any) -> ModuleDescription:
         tuple(layout),
         has_buffers,
         any(t.is_inference() for t in tensors),
-        slot_dicts=tuple(slot_dicts),
-        slot_sizes=tuple(map(len, slot_dicts)),
+        # The slot dicts hold the submodules alive anyway; the root's __dict__ may refer to the root.
+        slot_dicts=(*slot_dicts, *(m.__dict__ for m in modules[1:])),
+        slot_sizes=(*map(len, slot_dicts), *(len(m.__dict__) for m in modules[1:])),
+        root_size=len(module.__dict__),
         filled_dicts=tuple(slots for slots in slot_dicts if slots),
         slot_objects=tuple(itertools.chain.from_iterable(map(dict.values, slot_dicts))),
         tensors=tuple(tensors),
         tensor_metas=tuple(map(_TENSOR_META, tensors)),
         module_refs=tuple(map(weakref.ref, modules)),
-        state_sizes=tuple(len(m.__dict__) for m in modules),
         watched=tuple(
             (index, tuple((key, id(m.__dict__[key])) for key in redirected[id(m)]))
             for index, m in enumerate(modules)
@@ -357,6 +356,13 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
     )
 
 
+def _plan_of(module: ModuleDescription, active: bool) -> _ViewPlan:
+    plan = module.plans.get(not active)
+    if plan is None:
+        plan = module.plans[not active] = _plan(module, active)
+    return plan
+
+
 def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Callable[[Any], Any]) -> Any:
     """A view of the described module whose trainable parameters are ``params``.
 
@@ -366,10 +372,13 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
     tied parameters stay shared in the view; the original is never written.
     A submodule with nothing to replace inside it is used as it is.
     """
-    plan = module.plans.get(params is None)
-    if plan is None:
-        plan = module.plans[params is None] = _plan(module, params is not None)
-    tensors = [*(params or ()), *map(convert, plan.sources)]
+    plan = _plan_of(module, params is not None)
+    return _views(plan, [*(params or ()), *map(convert, plan.sources)])[plan.root]
+
+
+def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None) -> list[Any]:
+    """One view per step of ``plan`` over ``tensors``; ``copies`` collects, for each copied
+    submodule, what `ReusedView.refresh` needs to re-point it."""
     views: list[Any] = []
     for step in plan.steps:
         if not isinstance(step, _Copy):
@@ -386,13 +395,111 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
         new = object.__new__(type(original))
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
         views.append(new)
+        if copies is not None:
+            own = ("_parameters", "_buffers", "_modules", "_flat_weights") if step.rnn else _SLOTS
+            copies.append((original.__dict__, state, {key: state[key] for key in own}))
     if plan.redirects:  # after every view exists: a method may refer to a parent
-        by_id = {module_id: views[step] for module_id, step in plan.step_of}
-        for step, keys in plan.redirects:
-            original, state = plan.steps[step].original_ref(), views[step].__dict__
-            for key in keys:
-                state[key] = None if key == "_compiled_call_impl" else _redirect(original.__dict__[key], by_id)
-    return views[plan.root]
+        _redirect_all(plan, views)
+    return views
 
 
-__all__ = ["ModuleDescription", "describe_module", "described", "bound_view"]
+def _redirect_all(plan: _ViewPlan, views: list[Any]) -> None:
+    by_id = {module_id: views[step] for module_id, step in plan.step_of}
+    for step, keys in plan.redirects:
+        original, state = plan.steps[step].original_ref(), views[step].__dict__
+        for key in keys:
+            state[key] = None if key == "_compiled_call_impl" else _redirect(original.__dict__[key], by_id)
+
+
+_DATA_PTR = operator.methodcaller("data_ptr")
+
+
+class ReusedView:
+    """A view of an Active module built once and re-pointed on every call, with tape leaves
+    made once that alias the trainable parameters (``detach()``: the same storage, so
+    in-place updates between calls are seen; fresh tensors, so no other use of a parameter
+    is differentiated with them).
+
+    Building a view and fresh leaves costs more than the forward and backward passes of a
+    small model; re-pointing is two dict updates per copied submodule. A lease
+    (`lease_view`) copies each original submodule's ``__dict__`` again (flags such as
+    ``training``, attributes), puts the view's own slots back, converts the buffers afresh
+    (f may update them in place) and redirects methods again; its release (`release_view`)
+    empties the view down to its own slots, so that an idle view refers to nothing of the
+    user's module but the parameters' storage. Only for descriptions `still_describes`
+    has just checked.
+    """
+
+    def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any]) -> None:
+        self.plan = plan = _plan_of(module, True)
+        self.params = tuple(module.params)
+        self.leaves = tuple(p.detach().requires_grad_() for p in module.params)
+        self.pointers = tuple(map(_DATA_PTR, module.params))
+        self.convert = convert
+        copies: list[Any] = []
+        n = len(self.leaves)
+        self.views = _views(plan, [*self.leaves, *map(convert, plan.sources)], copies)
+        self.root = self.views[plan.root]
+        copied_steps = [step for step in plan.steps if isinstance(step, _Copy)]
+        # (weakref to the original, the view's __dict__, the view's own slots)
+        self.copies = tuple((step.original_ref, state, own) for step, (_, state, own) in zip(copied_steps, copies))
+        # Where each converted tensor goes: (slots dict, key, index into plan.sources).
+        self.refills = tuple(
+            (slots, key, i - n)
+            for step, (_, _, own) in zip(copied_steps, copies)
+            for slots, entries in ((own["_parameters"], step.params), (own["_buffers"], step.buffers))
+            for key, i in entries
+            if i >= n
+        )
+        # The copied submodules (the rest are the user's own, used as they are).
+        self.copied = tuple(view for view, step in zip(self.views, plan.steps) if isinstance(step, _Copy))
+        self.references = self._references()
+
+    def _references(self) -> tuple[int, ...]:
+        # References to each copy, ours only while no call holds it: more at release means f kept one.
+        return tuple(map(sys.getrefcount, self.copied))
+
+    def refresh(self) -> None:
+        for original_ref, state, own in self.copies:
+            state.update(original_ref().__dict__)
+            state.update(own)
+        if self.refills:
+            converted = list(map(self.convert, self.plan.sources))
+            for slots, key, index in self.refills:
+                slots[key] = converted[index]
+        if self.plan.redirects:
+            _redirect_all(self.plan, self.views)
+
+    def empty(self) -> bool:
+        """Reduce an idle view to its own slots; False (nothing changed) where f kept a module of it."""
+        if self._references() != self.references:
+            return False
+        for _, state, own in self.copies:
+            state.clear()
+            state.update(own)
+        for slots, key, _ in self.refills:
+            slots[key] = None
+        return True
+
+
+def lease_view(module: ModuleDescription, convert: Callable[[Any], Any]) -> ReusedView:
+    """An idle `ReusedView` of ``module``, refreshed (a new one if none is idle: another thread
+    or a nested call holds it); give it back with `release_view` (after dropping every
+    reference to its modules)."""
+    try:
+        view: ReusedView = module.reused.pop()
+    except IndexError:
+        return ReusedView(module, convert)
+    if tuple(map(_DATA_PTR, view.params)) != view.pointers:  # `p.data = ...` gave a parameter new storage
+        module.reused.clear()
+        return ReusedView(module, convert)
+    view.refresh()
+    return view
+
+
+def release_view(module: ModuleDescription, view: ReusedView) -> None:
+    if len(module.reused) < 4 and view.empty():
+        module.reused.append(view)
+
+
+__all__ = ["ModuleDescription", "ReusedView", "bound_view", "describe_module", "described", "lease_view", "release_view"]
