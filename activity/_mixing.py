@@ -4,8 +4,9 @@
 from ``backend`` through the library's own operators (`pullback`, `pushforward`),
 prepared once per signature. The caller's framework sees one function:
 
-- in JAX, a ``jax.custom_vjp`` around ``jax.pure_callback`` calls (reverse mode),
-  or a ``jax.custom_jvp`` when the call is being differentiated in forward mode;
+- in JAX, a ``jax.custom_jvp`` around a ``jax.pure_callback``, whose tangent is a linear
+  map JAX evaluates in forward mode (the inner pushforward) and transposes in reverse
+  mode (the inner pullback);
 - in PyTorch, a ``torch.autograd.Function`` (``backward``, ``jvp`` and ``vmap``).
 
 Each derivative is itself such a function of its inputs (the pullback of ``g`` is a
@@ -85,10 +86,11 @@ class _Node:
             )
         if how == "pull" and self.order >= 1 and _framework_of(backend) == "torch":
             raise UnsupportedError(
-                f"activity.differentiate_with({self.owner.name}, {backend!r}): second-order reverse-over-reverse "
-                f"(a pullback of the {self.label}) is not supported on AutoTorch, whose pullbacks are "
-                f"not differentiable again in reverse mode from outside torch. Differentiate the first "
-                f"derivative in forward mode instead: jax.hessian (forward-over-reverse) or jax.jacfwd."
+                f"activity.differentiate_with({self.owner.name}, {backend!r}): second-order "
+                f"{'reverse-over-reverse' if self.how == 'pull' else 'reverse-over-forward'} (a pullback of the "
+                f"{self.label}) is not supported on AutoTorch, whose derivatives are not differentiable again "
+                f"in reverse mode from outside torch. Differentiate the first derivative in forward mode "
+                f"instead: jax.hessian (forward-over-reverse), jax.jacfwd(jax.grad(...)) or jax.jacfwd(jax.jacfwd(...))."
             )
         n_diff = len(diff_avals)
         if how == "push":
