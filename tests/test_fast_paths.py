@@ -250,6 +250,28 @@ def test_a_prepared_gradient_keeps_no_dropped_model_alive_once_it_is_dropped_too
     assert module() is None
 
 
+@pytest.mark.parametrize("prepared", [False, True])
+def test_one_tangent_pushforward_differentiates_only_the_active_occurrence(prepared):
+    """Forward mode of one tangent runs on dual tensors: the same tensor passed again as a
+    Constant, or captured by f, carries no tangent (against the analytic partial derivative)."""
+    x = data(3, seed=2)
+    t = data(3, seed=3)
+
+    def f(x, c):
+        return torch.sin(x) * c + x * x.detach().sum() + captured
+
+    captured = x * 2.0
+    want_value = torch.sin(x) * x + x * x.sum() + captured
+    want = torch.cos(x) * x * t + t * x.sum()  # c, the detached sum and the capture held fixed
+    if prepared:
+        call = ad.prepare(ad.value_and_pushforward, f, Active(x), Constant(x), tangent=t)
+        got_value, got = call(x, x, tangent=t)
+    else:
+        got_value, got = ad.value_and_pushforward(f, Active(x), Constant(x), tangent=t)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got_value, want_value, **TOL)
+
+
 def test_unprepared_calls_of_one_signature_each_get_their_own_models_gradient():
     x = data(5, 4)
     first, second = mlp(seed=0), mlp(seed=1)

@@ -507,6 +507,30 @@ def test_cdist_jacobian_and_batched_pullback_match_the_tape():
         torch.testing.assert_close(g, torch.autograd.grad(out, leaf, ct, retain_graph=True)[0])
 
 
+def test_prepared_jacobians_check_torchs_batching_once_and_stay_right():
+    """A prepared operator checks its batched backward pass on its first call and keeps the
+    verdict: cdist (a wrong batching rule) is looped on every call, warned about once; a
+    function torch batches right is vectorised on every call, on new values too."""
+    import warnings
+
+    y = randn(1, 6, seed=4, dtype=torch.float64)
+    f = lambda x, y: torch.cdist(x, y)  # noqa: E731
+    x = randn(2, 6, seed=3, dtype=torch.float64)
+    jacobian = ad.prepare(ad.jacobian, f, Active(x), Constant(y))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (3, 7, 8):
+            x = randn(2, 6, seed=seed, dtype=torch.float64)
+            torch.testing.assert_close(jacobian(x, y), tape_jacobian(lambda x: f(x, y), x))
+    assert sum("disagreed" in str(w.message) for w in caught) == 1
+    g = lambda v, a: torch.tanh(a @ v)  # noqa: E731
+    a = randn(3, 5, seed=1, dtype=torch.float64)
+    right = ad.prepare(ad.jacobian, g, Active(randn(5, seed=2, dtype=torch.float64)), Constant(a))
+    for seed in (2, 9):
+        v = randn(5, seed=seed, dtype=torch.float64)
+        torch.testing.assert_close(right(v, a), tape_jacobian(lambda v: g(v, a), v))
+
+
 def test_cdist_jacobians_under_an_outer_vmap_are_right():
     # Inside torch.func the tape is unavailable and torch's batching rule for _cdist_backward
     # is wrong; the linearity probe must catch it.
@@ -790,3 +814,82 @@ def test_a_forward_replaced_after_preparation_is_checked_again():
     with pytest.raises(UnsupportedError, match="closure or a global name"):
         prepared(model, x)
     assert_unchanged(model, before)  # the original module never ran: its BatchNorm statistics are as they were
+
+
+class _OnceCube(torch.autograd.Function):
+    """x**3 whose backward is not differentiable (``@once_differentiable``) and that has no jvp:
+    torch can take no second derivative through it, and its tape does not say so when the
+    incoming gradient is a constant (the gradient just comes back without a graph)."""
+
+    @staticmethod
+    def forward(x):
+        return x**3
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+        ctx.save_for_forward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+class _OnceCubeWithJvp(_OnceCube):
+    @staticmethod
+    def jvp(ctx, t):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * t
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_hvp_through_a_once_differentiable_backward_raises_instead_of_giving_zeros(prepared):
+    x, t = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])
+
+    def f(x):
+        return _OnceCube.apply(x).sum()
+
+    with pytest.raises((RuntimeError, NotImplementedError), match="no second-order derivative"):
+        if prepared:
+            ad.prepare(ad.hvp, f, Active(x), tangent=t)(x, tangent=t)
+        else:
+            ad.hvp(f, Active(x), tangent=t)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_hvp_through_a_once_differentiable_backward_with_a_jvp_is_right(prepared):
+    x, t = torch.tensor([1.0, 2.0]), torch.tensor([1.0, -1.0])
+
+    def f(x):
+        return _OnceCubeWithJvp.apply(x).sum()
+
+    want = 6 * x * t  # d2/dx2 of x**3, times t
+    if prepared:
+        hvp = ad.prepare(ad.hvp, f, Active(x), tangent=t)
+        for _ in range(3):
+            torch.testing.assert_close(hvp(x, tangent=t), want)
+    else:
+        torch.testing.assert_close(ad.hvp(f, Active(x), tangent=t), want)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_hvp_of_a_function_linear_in_one_parameter_is_right_on_every_call(prepared):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = randn(4, 3)
+
+    def f(m, x):
+        return m(x).sum()  # linear in the last bias: its gradient is a constant, its hvp zero
+
+    params = dict(model.named_parameters())
+    tangent = {name: torch.ones_like(p) for name, p in params.items()}
+    want = torch.func.jvp(
+        lambda p: torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(p), (params,), (tangent,)
+    )[1]
+    calls = [ad.prepare(ad.hvp, f, Active(model), Constant(x), tangent=tangent)] * 3 if prepared else [None]
+    for call in calls:
+        got = call(model, x, tangent=tangent) if prepared else ad.hvp(f, Active(model), Constant(x), tangent=tangent)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name])

@@ -19,6 +19,7 @@ and ``.grad`` of the user's module never change.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import math
 import threading
@@ -67,14 +68,22 @@ _TRANSFORM_LIMITS = (
 
 _NO_SECOND_ORDER = (
     "activity (AutoTorch): an operation in f has neither a forward-mode rule nor a differentiable backward in "
-    "this torch version, so no second-order derivative can be taken through it. scaled_dot_product_attention's "
+    "this torch version, so no second-order derivative can be taken through it (a custom autograd.Function "
+    "with @once_differentiable and no jvp has neither, too). scaled_dot_product_attention's "
     "fused kernels have neither: run f under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or build a Hugging "
     "Face model with attn_implementation='eager'."
 )
 
 
+class _CutGradient(RuntimeError):
+    """A gradient taken with ``create_graph`` came back without a graph for a leaf: f is linear
+    in it (its derivative is zero), or a backward in f is not differentiable itself
+    (``@once_differentiable`` where the incoming gradient is a constant): the tape cannot
+    tell which, so the other path (forward over reverse) decides."""
+
+
 def _is_transform_limit(error: BaseException) -> bool:
-    return isinstance(error, (RuntimeError, NotImplementedError)) and any(
+    return isinstance(error, _CutGradient) or isinstance(error, (RuntimeError, NotImplementedError)) and any(
         text in str(error).lower() for text in _TRANSFORM_LIMITS
     )
 
@@ -220,6 +229,8 @@ class AutoTorch(Backend):
             return CompiledCall(lambda *values, **seed_kwargs: run(f, values, seed_kwargs))
         if name in ("pullback", "value_and_pullback") and single:
             return CompiledCall(_tape_pullback(plan))
+        if name in ("hvp", "gradient_and_hvp") and single and self.hvp_mode != "forward-over-reverse":
+            return CompiledCall(_tape_hvp_call(plan))
         return CompiledCall(_checked_pipeline(plan))
 
     def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
@@ -250,7 +261,7 @@ class AutoTorch(Backend):
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
                 return one(cts)
-            return _batched(one, cts, self)
+            return _batched(one, cts, self, getattr(F, "problem", None))
 
         return tuple(y.detach() for y in ys), aux, pull
 
@@ -280,6 +291,10 @@ class AutoTorch(Backend):
             return _func_jvp(F, xs, ts, batched, self)
         state = _rng_state()
         try:
+            # One tangent through f itself (not a gradient function another transform made):
+            # dual tensors, the same forward-mode rules as torch.func.jvp without its wrapping.
+            if not batched and hasattr(F, "problem"):
+                return _dual_jvp(F, xs, ts)
             return _func_jvp(F, xs, ts, batched, self)
         except (RuntimeError, NotImplementedError) as error:
             if self.vectorize or not _is_transform_limit(error):
@@ -360,18 +375,41 @@ def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None) -> 
     return tuple(grads)
 
 
-def _batched(one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch) -> Flat:
+@attrs.define
+class _BatchingVerdict:
+    """What `_agrees_with_one` found for a prepared operator's batched backward passes: checked
+    on its first call, then taken as found (the same f runs the same operations call after
+    call); ``agrees`` False: one cotangent at a time from then on."""
+
+    problem: Any  # the prepared operator's problem: a nested call inside f has its own
+    agrees: bool | None = None
+
+
+# The verdict of the prepared call running in this context (`_checked_pipeline`); None: unprepared.
+_VERDICT: contextvars.ContextVar[_BatchingVerdict | None] = contextvars.ContextVar("activity_torch_batching", default=None)
+
+
+def _batched(one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch, problem: Any = None) -> Flat:
     """``one`` over a batch of cotangents: `vmap` over the tape's backward pass (much faster
-    than ``is_grads_batched``, which runs torch's older vmap), checked by `_agrees_with_one`;
-    one cotangent at a time where torch cannot batch it or batches it wrong."""
-    if backend.vectorize is not False:
+    than ``is_grads_batched``, which runs torch's older vmap), checked by `_agrees_with_one`
+    (once per prepared operator); one cotangent at a time where torch cannot batch it or
+    batches it wrong."""
+    verdict = _VERDICT.get()
+    if verdict is not None and (problem is None or verdict.problem is not problem):
+        verdict = None
+    if backend.vectorize is not False and not (verdict is not None and verdict.agrees is False and not backend.vectorize):
         try:
-            batch = _torch().func.vmap(one, randomness=backend.randomness)(cts)
+            batch: Flat = _torch().func.vmap(one, randomness=backend.randomness)(cts)
         except (RuntimeError, NotImplementedError) as error:
             if backend.vectorize or not _is_transform_limit(error):
                 raise
         else:
-            return batch if backend.vectorize or _agrees_with_one(batch, cts, one) else _loop(one, cts)
+            if backend.vectorize or (verdict is not None and verdict.agrees):
+                return batch
+            agrees = _agrees_with_one(batch, cts, one)
+            if verdict is not None:
+                verdict.agrees = agrees
+            return batch if agrees else _loop(one, cts)
     return _loop(one, cts)
 
 
@@ -474,6 +512,29 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
     return checked
 
 
+def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
+    """One tangent by forward-mode AD on dual tensors (`torch.autograd.forward_ad`), outside
+    every `torch.func` transform: on a small model a third of `torch.func.jvp`'s time, which
+    wraps every input and output for its transform levels. Dual tensors are fresh views,
+    so only the Active occurrence carries the tangent."""
+    torch = _torch()
+    forward_ad = torch.autograd.forward_ad
+    with _FORWARD_AD, forward_ad.dual_level():
+        ys, aux = F(tuple(map(forward_ad.make_dual, xs, ts)))
+        unpacked = [forward_ad.unpack_dual(y) for y in ys]
+        if ys and all(u.tangent is None for u in unpacked) and any(arrays.size(x) for x in xs):
+            raise _disconnected(getattr(F, "op_name", None))
+        dys = tuple(
+            torch.zeros_like(u.primal) if u.tangent is None else u.tangent if u.tangent.dtype == u.primal.dtype else u.tangent.to(u.primal.dtype)
+            for u in unpacked
+        )
+        primals = tuple(u.primal for u in unpacked)
+        if aux is not None:
+            leaves, spec = flatten(aux)
+            aux = unflatten(spec, [forward_ad.unpack_dual(a).primal if isinstance(a, torch.Tensor) else a for a in leaves])
+    return primals, aux, dys
+
+
 def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoTorch) -> tuple[Flat, Any, Flat]:
     """`torch.func.jvp`, vmapped over a batch of tangents (serialised: forward-AD levels are global)."""
     torch = _torch()
@@ -533,7 +594,9 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     if not ys[0].requires_grad:
         raise _disconnected(getattr(F, "op_name", None))
     grads = _zeros_for_unused(torch.autograd.grad(ys[0], leaves, create_graph=True, allow_unused=True), xs, getattr(F, "op_name", None))
-    live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative
+    live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative, or a cut graph
+    if backend.hvp_mode == "auto" and len(live) < len(grads) and any(arrays.size(xs[i]) for i in range(len(grads)) if i not in live):
+        raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
 
     def one(tangent: Flat) -> Flat:
         hvps = (None,) * len(xs)
@@ -543,7 +606,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
             )
         return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
 
-    hvps = _batched(one, ts, backend) if batched else one(ts)
+    hvps = _batched(one, ts, backend, getattr(F, "problem", None)) if batched else one(ts)
     detached = tuple(g.detach() for g in grads)
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
@@ -710,9 +773,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     split_checked = _FastSplit(problem, fallback)
     arguments = split_checked.arguments
     value_wanted = op_name == "value_and_gradient"
-    # One Active module and nothing else differentiated: the result is its gradients by name.
-    actives = problem.active_positions
-    lone_module = (actives[0], 0) if len(actives) == 1 and problem.bare[actives[0]] and problem.roles[actives[0]][0] == "module" else None
+    lone_module = _lone_module(problem)
     tensor_type = torch.Tensor
 
     def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
@@ -742,6 +803,15 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
 
     gradient.split = split_checked  # type: ignore[attr-defined]
     return gradient
+
+
+def _lone_module(problem: Any) -> tuple[int, int] | None:
+    """Where the one Active argument is a module and nothing else is differentiated: the key of
+    its names (a result is then ``dict(zip(names, values))``, what `Problem.like_active` makes)."""
+    actives = problem.active_positions
+    if len(actives) == 1 and problem.bare[actives[0]] and problem.roles[actives[0]][0] == "module":
+        return (actives[0], 0)
+    return None
 
 
 def _tape_pullback(plan: Any) -> Callable[..., Any]:
@@ -794,52 +864,169 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
     return pullback
 
 
-def _checked_pipeline(plan: Any) -> Callable[..., Any]:
+def _checked_pipeline(plan: Any, backend: AutoTorch | None = None) -> Callable[..., Any]:
     """Any other prepared operator: its pipeline, after the prepared checks of `_FastSplit`
-    (what the prepared object's checked path does, without its general dispatch)."""
-    problem, n_args, operator, backend = plan.problem, len(plan.problem.kinds), plan.operator, plan.backend
+    (what the prepared object's checked path does, without its general dispatch); with
+    ``backend``, the pipeline of the same operator built on that backend."""
+    problem, n_args, operator = plan.problem, len(plan.problem.kinds), plan.operator
     split_checked = _FastSplit(problem)
-    seed_key, pipeline, finalize = plan.seed_key, plan.pipeline, backend.finalize
+    seed_key, pipeline = plan.seed_key, plan.pipeline
+    if backend is not None:
+        pipeline = operator.build(problem, plan.f, backend, plan.seeds, **plan.options)
+    else:
+        backend = plan.backend
+    finalize = backend.finalize
     torch = _torch()
-    from .._operators._common import Seeds, encode_seeds  # the operators import the backends
+    from .._operators._common import encode_seeds  # the operators import the backends
 
-    tensor_type = torch.Tensor
-    # One Active tensor or pytree of tensors: a tangent of its structure is checked leaf by leaf
-    # (type, shape, dtype), without the generic walk that finds what is wrong with one.
-    position = problem.active_positions[0]
-    tree_tangent = (
-        operator.seed == "tangent"
-        and len(problem.active_positions) == 1
-        and position not in problem.adapted
-        and all(role == "diff" for role in problem.roles[position])
-    )
-    spec = problem.specs[position]
-    layouts = tuple(zip(problem.diff_shapes, problem.diff_dtypes))
-
-    def tangent_seeds(tangent: Any) -> Any:
-        leaves, got = flatten(tangent)
-        if got != spec or len(leaves) != len(layouts):
-            return None
-        for leaf, (shape, dtype) in zip(leaves, layouts):
-            if not isinstance(leaf, tensor_type) or leaf.dtype is not dtype or leaf.shape != shape:
-                return None
-        return Seeds(tuple(leaves), None, None)  # what `encode_seeds` makes of it
+    tangent_seeds = _tangent_checker(problem, operator)
+    verdict = _BatchingVerdict(problem)
 
     def call(*values: Any, **seed_kwargs: Any) -> Any:
         split = None if len(values) != n_args or torch.is_inference_mode_enabled() else split_checked(values)
         if split is None:
             raise SignatureChanged
         seeds = None
-        if tree_tangent and len(seed_kwargs) == 1 and seed_kwargs.get("tangent") is not None:
+        if tangent_seeds is not None and len(seed_kwargs) == 1 and seed_kwargs.get("tangent") is not None:
             seeds = tangent_seeds(seed_kwargs["tangent"])
         if seeds is None:
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
         if (None if seeds is None else seeds.key) != seed_key:
             raise SignatureChanged
-        with backend.context():
-            return finalize(pipeline(*split, None if seeds is None else seeds.leaves), problem)
+        token = _VERDICT.set(verdict)
+        try:
+            with backend.context():
+                return finalize(pipeline(*split, None if seeds is None else seeds.leaves), problem)
+        finally:
+            _VERDICT.reset(token)
 
     return call
+
+
+def _tangent_checker(problem: Any, operator: Any) -> Callable[[Any], Any] | None:
+    """For one Active tensor, pytree of tensors or module: ``check(tangent)``, the `Seeds` that
+    `encode_seeds` makes of a ``tangent=`` of the prepared structure, shapes, dtypes and devices,
+    checked leaf by leaf without its generic walk; None for anything else (which takes
+    `encode_seeds`, and its error if it is wrong)."""
+    from .._operators._common import Seeds  # the operators import the backends
+
+    if operator.seed != "tangent" or len(problem.active_positions) != 1:
+        return None
+    position = problem.active_positions[0]
+    roles = problem.roles[position]
+    tensor_type = _torch().Tensor
+    layouts = tuple(zip(problem.diff_shapes, problem.diff_dtypes))
+    if problem.bare[position] and roles[0] == "module":
+        description = problem._described[(position, 0)]
+        names = tuple(problem.module_names[(position, 0)])
+        if problem.module_unselected.get((position, 0)):
+            return None  # a tangent may name unselected parameters too: the generic check
+        devices = tuple(p.device for p in description.params)
+
+        def module_tangent(tangent: Any) -> Any:
+            if type(tangent) is not dict or len(tangent) != len(names):
+                return None
+            leaves = []
+            for name, (shape, dtype), device in zip(names, layouts, devices):
+                leaf: Any = tangent.get(name)
+                if type(leaf) is not tensor_type or leaf.dtype is not dtype or leaf.shape != shape or leaf.device != device:
+                    return None
+                leaves.append(leaf)
+            return Seeds(tuple(leaves), None, None)
+
+        return module_tangent
+    if position in problem.adapted or not all(role == "diff" for role in roles):
+        return None
+    spec = problem.specs[position]
+
+    def tree_tangent(tangent: Any) -> Any:
+        leaves, got = flatten(tangent)
+        if got != spec or len(leaves) != len(layouts):
+            return None
+        for leaf, (shape, dtype) in zip(leaves, layouts):
+            if not isinstance(leaf, tensor_type) or leaf.dtype is not dtype or leaf.shape != shape:
+                return None
+        return Seeds(tuple(leaves), None, None)
+
+    return tree_tangent
+
+
+def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
+    """A prepared Hessian-vector product of one tangent, reverse over reverse on the tape (see
+    `_tape_gradient`): one evaluation of f, a backward pass that records its own graph, and
+    its pullback of the tangent. Where torch has no double backward for an operation in f,
+    forward over reverse (`torch.func`), as the generic path does."""
+    torch = _torch()
+    problem, f, n_args, operator, backend = plan.problem, plan.f, len(plan.problem.kinds), plan.operator, plan.backend
+    split_checked = _FastSplit(problem)
+    with_gradient = operator.name == "gradient_and_hvp"
+    op_name, seed_key = operator.name, plan.seed_key
+    tensor_type = torch.Tensor
+    tangent_seeds = _tangent_checker(problem, operator)
+    lone_module = _lone_module(problem)
+    fallback = _checked_pipeline(plan) if backend.hvp_mode == "auto" else None
+    # Explicit reverse-over-reverse: a leaf whose gradient has no graph has a zero derivative.
+    trusted = fallback is None
+    forward_over_reverse: list[Callable[..., Any]] = []  # where the tape's gradients came back cut
+    from .._operators._common import encode_seeds  # the operators import the backends
+
+    def hvp(*values: Any, **seed_kwargs: Any) -> Any:
+        if len(values) != n_args or not _usable(torch):
+            raise SignatureChanged
+        if forward_over_reverse:
+            return forward_over_reverse[0](*values, **seed_kwargs)
+        seeds = None
+        if tangent_seeds is not None and len(seed_kwargs) == 1 and seed_kwargs.get("tangent") is not None:
+            seeds = tangent_seeds(seed_kwargs["tangent"])
+        if seeds is None:
+            seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
+        if seeds.key != seed_key:
+            raise SignatureChanged
+        got = split_checked.arguments(values)
+        if got is None:
+            raise SignatureChanged
+        args, leaves, xs, leases = got
+        del got
+        out: Any = None
+        state = _rng_state() if fallback is not None else None
+        try:
+            out = problem.call(f, args)
+            if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
+                y = out
+            else:
+                (y,), _ = problem.output_leaves(out, scalar=True)
+            if not y.requires_grad:
+                raise _disconnected(op_name)
+            grads = _zeros_for_unused(_backward((y,), (torch.ones_like(y),), leaves, create_graph=True), xs, op_name)
+            live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative, or a cut graph
+            if len(live) < len(grads) and not trusted and any(arrays.size(xs[i]) for i in range(len(xs)) if i not in live):
+                raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
+            hvps: Flat = (None,) * len(xs)
+            if live:
+                ts = tuple(backend.as_tangent(seeds.leaves[i], grads[i].dtype) for i in live)
+                hvps = _backward(tuple(grads[i] for i in live), ts, leaves)
+        except (RuntimeError, NotImplementedError) as error:
+            if fallback is None or not _is_transform_limit(error):
+                raise
+            torch.set_rng_state(state)
+            result = fallback(*values, **seed_kwargs)
+            if isinstance(error, _CutGradient):
+                # Forward over reverse could run f; the same f takes the same operations call after
+                # call, so the later calls take it straight away.
+                forward_over_reverse.append(_checked_pipeline(plan, attrs.evolve(backend, hvp_mode="forward-over-reverse")))
+            return result
+        finally:
+            if leases:
+                args.clear()  # as in `_tape_gradient`
+                out = None
+                _release(leases)
+        hvps = tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
+        result = dict(zip(problem.module_names[lone_module], hvps)) if lone_module else problem.like_active(hvps)
+        if not with_gradient:
+            return result
+        return problem.like_active(tuple(g.detach() for g in grads)), result
+
+    return hvp
 
 
 def _encoded_seeds(encode_seeds: Callable[..., Any], operator: Any, problem: Any, seed_kwargs: dict[str, Any]) -> Any:
