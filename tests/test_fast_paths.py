@@ -201,6 +201,41 @@ def test_a_module_f_keeps_stays_usable_and_later_calls_stay_right():
     assert kept[0].training and kept[0](x).shape == (5, 1)
 
 
+def test_a_buffer_f_returns_in_its_aux_is_not_changed_by_later_calls():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).train()
+
+    def loss(m, x):
+        return mse(m, x), m[1].running_mean  # the statistics this call computed
+
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(data(6, 4)), has_aux=True)
+    _, first = prepared(model, data(6, 4, seed=1))
+    kept = first.clone()
+    _, second = prepared(model, data(6, 4, seed=2) * 3.0 + 1.0)
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
+    twin = __import__("copy").deepcopy(model)
+    twin(data(6, 4, seed=2) * 3.0 + 1.0)  # one train-mode step from the user's statistics
+    torch.testing.assert_close(second, twin[1].running_mean, **TOL)
+
+
+def test_a_buffer_f_returns_as_an_output_is_not_changed_by_later_calls():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).train()
+
+    def f(m, x):
+        return m(x), m[1].running_mean  # the statistics this call computed, as an output
+
+    cotangent = (torch.ones(6, 1), torch.zeros(4))
+    prepared = ad.prepare(ad.value_and_pullback, f, Active(model), Constant(data(6, 4)), cotangent=cotangent)
+    (_, first), _ = prepared(model, data(6, 4, seed=1), cotangent=cotangent)
+    kept = first.clone()
+    (_, second), _ = prepared(model, data(6, 4, seed=2) * 3.0 + 1.0, cotangent=cotangent)
+    torch.testing.assert_close(first, kept, rtol=0, atol=0)
+    twin = __import__("copy").deepcopy(model)
+    twin(data(6, 4, seed=2) * 3.0 + 1.0)
+    torch.testing.assert_close(second, twin[1].running_mean, **TOL)
+
+
 def test_prepared_gradient_called_inside_f_of_itself_is_right():
     model, x = mlp(), data(5, 4)
     depth, inner = [0], []

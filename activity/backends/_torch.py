@@ -823,6 +823,7 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
     value_wanted = operator.name == "value_and_pullback"
     op_name, seed_key = operator.name, plan.seed_key
     tensor_type = torch.Tensor
+    lone_module = _lone_module(problem)
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
@@ -842,24 +843,36 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
         args, leaves, xs, leases = got
         del got
         out: Any = None
+        traced = None
         try:
             out = problem.call(f, args)
-            traced = Traced()
-            ys, traced.out_spec = problem.output_leaves(out, False)
-            cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
-            connected = [i for i, y in enumerate(ys) if y.requires_grad]
-            if not connected:
-                raise _disconnected(op_name)
-            grads = _backward(tuple(ys[i] for i in connected), tuple(cts[i] for i in connected), leaves)
+            if (
+                type(out) is tensor_type
+                and seeds.spec is LEAF
+                and out.requires_grad
+                and out.dtype is seeds.leaves[0].dtype
+                and out.shape == seeds.leaves[0].shape
+                and out.dtype.is_floating_point
+            ):  # one tensor out, a cotangent of its shape and dtype: what the checks below pass as it is
+                ys, cts, connected = (out,), seeds.leaves, [0]
+            else:
+                traced = Traced()
+                ys, traced.out_spec = problem.output_leaves(out, False)
+                cts = checked_cotangents(problem, traced, seeds, seeds.leaves, ys)
+                connected = [i for i, y in enumerate(ys) if y.requires_grad]
+                if not connected:
+                    raise _disconnected(op_name)
+            grads = _zeros_for_unused(_backward(tuple(ys[i] for i in connected), tuple(cts[i] for i in connected), leaves), xs, op_name)
         finally:
             if leases:
                 args.clear()  # as in `_tape_gradient`
                 out = None
                 _release(leases)
-        result = problem.like_active(_zeros_for_unused(grads, xs, op_name))
+        result = dict(zip(problem.module_names[lone_module], grads)) if lone_module else problem.like_active(grads)
         if not value_wanted:
             return result
-        return traced.output([y.detach() for y in ys]), result
+        values_out = [y.detach() for y in ys]
+        return (values_out[0] if traced is None else traced.output(values_out)), result
 
     return pullback
 

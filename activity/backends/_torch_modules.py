@@ -391,13 +391,15 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
         state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
         state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
         if step.rnn:
-            state["_flat_weights"] = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
+            state["_flat_weights"] = flat = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
+            if "_flat_weight_refs" in state:  # what the RNN's forward compares its weights with (else it rebuilds them)
+                state["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in flat]
         new = object.__new__(type(original))
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
         views.append(new)
         if copies is not None:
-            own = ("_parameters", "_buffers", "_modules", "_flat_weights") if step.rnn else _SLOTS
-            copies.append((original.__dict__, state, {key: state[key] for key in own}))
+            own = (*_SLOTS, "_flat_weights", "_flat_weight_refs") if step.rnn else _SLOTS
+            copies.append((original.__dict__, state, {key: state[key] for key in own if key in state}))
     if plan.redirects:  # after every view exists: a method may refer to a parent
         _redirect_all(plan, views)
     return views
@@ -438,7 +440,12 @@ class ReusedView:
         self.convert = convert
         copies: list[Any] = []
         n = len(self.leaves)
-        self.views = _views(plan, [*self.leaves, *map(convert, plan.sources)], copies)
+        # The view's own copy of each buffer (a frozen parameter is used as it is), kept between
+        # calls and overwritten with the original on each (`refresh`).
+        self.held = [convert(t) for t in plan.sources]
+        self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t)
+        self.overwrite = not any(plan.sources[i].requires_grad for i in self.kept)  # else converted afresh
+        self.views = _views(plan, [*self.leaves, *self.held], copies)
         self.root = self.views[plan.root]
         copied_steps = [step for step in plan.steps if isinstance(step, _Copy)]
         # (weakref to the original, the view's __dict__, the view's own slots)
@@ -456,17 +463,25 @@ class ReusedView:
         self.references = self._references()
 
     def _references(self) -> tuple[int, ...]:
-        # References to each copy, ours only while no call holds it: more at release means f kept one.
-        return tuple(map(sys.getrefcount, self.copied))
+        # References to each copied submodule and buffer, ours only while no call holds them: more
+        # at release means f kept one (a module, a buffer in its aux), which must then stay as it is.
+        return (*map(sys.getrefcount, self.copied), *(sys.getrefcount(self.held[i]) for i in self.kept))
 
     def refresh(self) -> None:
         for original_ref, state, own in self.copies:
             state.update(original_ref().__dict__)
             state.update(own)
         if self.refills:
-            converted = list(map(self.convert, self.plan.sources))
+            if self.overwrite:
+                # Every call: f may have changed a copy (BatchNorm statistics), and kernels that
+                # update them do not all move the version counter, so nothing tells whether it did.
+                sources, held = self.plan.sources, self.held
+                for i in self.kept:
+                    held[i].copy_(sources[i])
+            else:
+                self.held = list(map(self.convert, self.plan.sources))
             for slots, key, index in self.refills:
-                slots[key] = converted[index]
+                slots[key] = self.held[index]  # f may have assigned another tensor to the slot
         if self.plan.redirects:
             _redirect_all(self.plan, self.views)
 
@@ -477,8 +492,6 @@ class ReusedView:
         for _, state, own in self.copies:
             state.clear()
             state.update(own)
-        for slots, key, _ in self.refills:
-            slots[key] = None
         return True
 
 
