@@ -4,8 +4,9 @@
 from ``backend`` through the library's own operators (`pullback`, `pushforward`),
 prepared once per signature. The caller's framework sees one function:
 
-- in JAX, a ``jax.custom_vjp`` around ``jax.pure_callback`` calls (reverse mode),
-  or a ``jax.custom_jvp`` when the call is being differentiated in forward mode;
+- in JAX, a ``jax.custom_jvp`` around a ``jax.pure_callback``, whose tangent is a linear
+  map JAX evaluates in forward mode (the inner pushforward) and transposes in reverse
+  mode (the inner pullback);
 - in PyTorch, a ``torch.autograd.Function`` (``backward``, ``jvp`` and ``vmap``).
 
 Each derivative is itself such a function of its inputs (the pullback of ``g`` is a
@@ -65,7 +66,7 @@ class _Node:
         self.how: str | None = None  # for a derivative: "push" or "pull" of `parent`,
         self.parent: _Node | None = None  # whose first `n_base` diff leaves are the point
         self.n_base = 0
-        self._prepared: OrderedDict[tuple[Any, ...], tuple[Any, tuple[int, ...]]] = OrderedDict()
+        self._prepared: OrderedDict[tuple[Any, ...], _Bound] = OrderedDict()
         self._derived: dict[str, _Node] = {}
         self._lock = threading.Lock()
 
@@ -85,32 +86,59 @@ class _Node:
             )
         if how == "pull" and self.order >= 1 and _framework_of(backend) == "torch":
             raise UnsupportedError(
-                f"activity.differentiate_with({self.owner.name}, {backend!r}): second-order reverse-over-reverse "
-                f"(a pullback of the {self.label}) is not supported on AutoTorch, whose pullbacks are "
-                f"not differentiable again in reverse mode from outside torch. Differentiate the first "
-                f"derivative in forward mode instead: jax.hessian (forward-over-reverse) or jax.jacfwd."
+                f"activity.differentiate_with({self.owner.name}, {backend!r}): second-order "
+                f"{'reverse-over-reverse' if self.how == 'pull' else 'reverse-over-forward'} (a pullback of the "
+                f"{self.label}) is not supported on AutoTorch, whose derivatives are not differentiable again "
+                f"in reverse mode from outside torch. Differentiate the first derivative in forward mode "
+                f"instead: jax.hessian (forward-over-reverse), jax.jacfwd(jax.grad(...)) or jax.jacfwd(jax.jacfwd(...))."
             )
         n_diff = len(diff_avals)
         if how == "push":
 
             def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
-                return tuple(self.call("pushforward", diff[:n_diff], data, cache, tangent=tuple(diff[n_diff:])))
+                pushed: tuple[Any, ...] = self.call("pushforward", diff[:n_diff], data, cache, tangent=tuple(diff[n_diff:]))
+                return pushed
 
             node = _Node(fn, self.out_avals, order, self.owner, f"pushforward of {self.label}")
         else:
 
             def fn(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
-                return tuple(self.call("pullback", diff[:n_diff], data, cache, cotangent=tuple(diff[n_diff:])))
+                pulled: tuple[Any, ...] = self.call("pullback", diff[:n_diff], data, cache, cotangent=tuple(diff[n_diff:]))
+                return pulled
 
             node = _Node(fn, diff_avals, order, self.owner, f"pullback of {self.label}")
         node.how, node.parent, node.n_base = how, self, n_diff
         with self._lock:
             return self._derived.setdefault(how, node)
 
+    def lane(self) -> Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...]]:
+        """`fn` for calls that all have one signature (a callback JAX traced for fixed shapes):
+        the prepared inner operator is looked up on the first call only."""
+        parent = self.parent
+        if parent is None:
+            return self.fn
+        n_base = self.n_base
+        op_name, seed_name = ("pushforward", "tangent") if self.how == "push" else ("pullback", "cotangent")
+        found: list[_Bound] = []
+
+        def run(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
+            if not found:
+                found.append(parent.bound(op_name, seed_name, diff[:n_base], data, cache, tuple(diff[n_base:])))
+            result: tuple[Any, ...] = found[0](diff[:n_base], data, cache, tuple(diff[n_base:]))
+            return result
+
+        return run
+
     def call(self, op_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...], **seed: Any) -> Any:
         """``op(fn, Active(diff), Constant(data), Cache(cache), **seed)`` on the inner backend,
-        prepared once per signature of leaves (and tangent batch size)."""
+        prepared once per signature of leaves (and tangent batch size): a tuple of result
+        leaves, or a list of them for a list of seeds (``tangents=`` / ``cotangents=``)."""
         ((seed_name, seed_value),) = seed.items()
+        return self.bound(op_name, seed_name, diff, data, cache, seed_value)(diff, data, cache, seed_value)
+
+    def bound(self, op_name: str, seed_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...],
+              seed_value: Any) -> "_Bound":
+        """The prepared ``op_name`` for this signature of leaves, as ``run(diff, data, cache, seed)``."""
         key = (
             op_name,
             seed_name,
@@ -121,32 +149,70 @@ class _Node:
         )
         found = self._prepared.get(key)  # read without the lock: a dict lookup is atomic
         if found is None:
-            found = self._prepare(key, op_name, diff, data, cache, seed)
-        prepared, present = found
-        groups = (diff, data, cache)
-        return prepared(*(groups[index] for index in present), **seed)
+            found = self._prepare(key, op_name, seed_name, diff, data, cache, seed_value)
+        return found
 
-    def _prepare(self, key: tuple[Any, ...], op_name: str, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...],
-                 seed: dict[str, Any]) -> tuple[Any, tuple[int, ...]]:
+    def _prepare(self, key: tuple[Any, ...], op_name: str, seed_name: str, diff: tuple[Any, ...], data: tuple[Any, ...],
+                 cache: tuple[Any, ...], seed_value: Any) -> "_Bound":
         import activity
 
         groups = (diff, data, cache)
         present = tuple(index for index, group in enumerate(groups) if group)
+        # A group of one leaf goes to the operator as that leaf, not a 1-tuple, and so do a
+        # seed and a result of one leaf: the prepared operators' fastest path (no pytree walk).
+        bare = tuple(len(groups[index]) == 1 for index in present)
+        out_bare = len(self.out_avals) == 1
+        diff_bare = len(diff) == 1
+        seed_bare = out_bare if op_name == "pullback" else diff_bare
+        result_bare = diff_bare if op_name == "pullback" else out_bare
+        fn = self.fn
 
-        def grouped(*values: tuple[Any, ...]) -> tuple[Any, ...]:
+        def grouped(*values: Any) -> Any:
             given: list[tuple[Any, ...]] = [(), (), ()]
-            for index, value in zip(present, values):
-                given[index] = value
-            return self.fn(*given)
+            for index, value, one in zip(present, values, bare):
+                given[index] = (value,) if one else value
+            out = fn(*given)
+            return out[0] if out_bare else out
 
+        def arguments(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> list[Any]:
+            groups = (diff, data, cache)
+            return [groups[index][0] if one else groups[index] for index, one in zip(present, bare)]
+
+        batched = seed_name[-1] == "s"
+        seed_of: Callable[[Any], Any] = (lambda seed: seed[0]) if seed_bare else (lambda seed: seed)
+        example = [seed_of(seed) for seed in seed_value] if batched else seed_of(seed_value)
         op = getattr(activity, op_name)
-        annotated = [_WRAPPERS[_KINDS[index]](groups[index]) for index in present]
-        prepared = activity.prepare(op, grouped, *annotated, backend=self.owner.backend, **seed)
+        annotated = [_WRAPPERS[_KINDS[index]](value) for index, value in zip(present, arguments(diff, data, cache))]
+        prepared = activity.prepare(op, grouped, *annotated, backend=self.owner.backend, **{seed_name: example})
+
+        if batched:
+
+            def run(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...], seed: Any) -> Any:
+                results = prepared(*arguments(diff, data, cache), **{seed_name: [seed_of(s) for s in seed]})
+                return [(result,) if result_bare else tuple(result) for result in results]
+
+        elif present == (0,) and bare == (True,):  # one differentiated leaf: the common case, straight
+
+            def run(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...], seed: Any) -> Any:
+                result = prepared(diff[0], **{seed_name: seed[0] if seed_bare else seed})
+                return (result,) if result_bare else tuple(result)
+
+        else:
+
+            def run(diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...], seed: Any) -> Any:
+                result = prepared(*arguments(diff, data, cache), **{seed_name: seed_of(seed)})
+                return (result,) if result_bare else tuple(result)
+
         with self._lock:
-            self._prepared[key] = (prepared, present)
+            self._prepared[key] = run
             while len(self._prepared) > MAX_SIGNATURES:
                 self._prepared.popitem(last=False)  # the oldest prepared first
-        return prepared, present
+        return run
+
+
+_Bound = Callable[[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], Any], Any]
+"""A prepared inner operator for one signature: ``run(diff, data, cache, seed)``."""
+
 
 def _ordinal(n: int) -> str:
     return {1: "first", 2: "second", 3: "third"}.get(n, f"{n}th")
@@ -405,6 +471,8 @@ class _Signature:
         self.out_avals: tuple[Any, ...] = ()
         self.aux_avals: tuple[Any, ...] = ()
         self.out_float: tuple[bool, ...] = ()
+        self._all_float = False
+        self._one_array: type | None = None
         self.node: _Node | None = None
 
     def learn(self, outputs: Any) -> None:
@@ -421,6 +489,10 @@ class _Signature:
         self.out_avals = tuple(_aval(leaf) for leaf in out_leaves)
         self.aux_avals = tuple(_aval(leaf) for leaf in aux_leaves)
         self.out_float = tuple(arrays.is_floating_dtype(dtype) for _, dtype in self.out_avals)
+        self._all_float = all(self.out_float)
+        # g returning one array (no pytree, no aux): `split` recognises it by its type alone
+        one = not self.mixed.has_aux and self.out_spec.num_nodes == 1 and len(out_leaves) == 1
+        self._one_array = type(out) if one and arrays.is_array(out) else None
         float_avals = tuple(a for a, f in zip(self.out_avals, self.out_float) if f)
         self.node = _Node(self._differentiable, float_avals, 0, self.mixed, "g")
 
@@ -442,6 +514,8 @@ class _Signature:
             return self.run(diff, data, cache)
 
     def split(self, outputs: Any) -> tuple[list[Any], list[Any]]:
+        if type(outputs) is self._one_array:
+            return [outputs], []
         if not self.mixed.has_aux:
             out_leaves, spec = flatten(outputs)
             if spec == self.out_spec:
@@ -461,6 +535,8 @@ class _Signature:
 
     def _differentiable(self, diff: tuple[Any, ...], data: tuple[Any, ...], cache: tuple[Any, ...]) -> tuple[Any, ...]:
         out_leaves, _ = self.split(self.run(diff, data, cache))
+        if self._all_float:
+            return tuple(out_leaves)
         return tuple(leaf for leaf, floating in zip(out_leaves, self.out_float) if floating)
 
 

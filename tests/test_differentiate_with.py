@@ -97,6 +97,69 @@ def test_torch_model_under_vmap_jvp_and_hessian(model, xs):
                          rtol=1e-4, atol=1e-5)
 
 
+def test_forward_mode_under_jit_and_linearize(model, xs):
+    """Forward mode with jit on either side (jit traces h before any tangent exists) and
+    jax.linearize: the inner pushforward, against the same MLP in JAX."""
+    h = ad.differentiate_with(model, TORCH)
+    params = jax_params(model)
+    mlp = lambda v: jax_mlp(params, v)  # noqa: E731
+    x, t = xs[0], xs[1]
+    expected = jax.jvp(mlp, (x,), (t,))
+    assert_tree_allclose(jax.jvp(jax.jit(h), (x,), (t,)), expected, rtol=RTOL, atol=ATOL)
+    assert_tree_allclose(jax.jit(lambda a, b: jax.jvp(h, (a,), (b,)))(x, t), expected, rtol=RTOL, atol=ATOL)
+    for v in (x, 3 * x - 1):  # new values through the compiled forward-mode program
+        assert_tree_allclose(jax.jit(jax.jacfwd(h))(v), jax.jacfwd(mlp)(v), rtol=RTOL, atol=ATOL)
+    assert_tree_allclose(jax.jacfwd(jax.jit(h))(x), jax.jacfwd(mlp)(x), rtol=RTOL, atol=ATOL)
+    value, linear = jax.linearize(h, x)
+    assert_tree_allclose((value, linear(t)), expected, rtol=RTOL, atol=ATOL)
+    assert_tree_allclose(linear(2 * t), 2 * expected[1], rtol=RTOL, atol=ATOL)
+    # batched tangents at one point, under jit: forward over the batch
+    ts = xs[1:4]
+    assert_tree_allclose(jax.jit(jax.vmap(lambda u: jax.jvp(h, (x,), (u,))[1]))(ts),
+                         jax.vmap(lambda u: jax.jvp(mlp, (x,), (u,))[1])(ts), rtol=RTOL, atol=ATOL)
+    # reverse mode through the jitted h (transposing the same function's tangent)
+    loss = lambda v: jnp.sum(jnp.sin(jax.jit(h)(v)) ** 2)  # noqa: E731
+    assert_tree_allclose(jax.grad(loss)(x), jax.grad(lambda v: jnp.sum(jnp.sin(mlp(v)) ** 2))(x),
+                         rtol=RTOL, atol=ATOL)
+
+
+def test_each_mode_runs_only_its_own_inner_operator(model, xs, monkeypatch):
+    """Reverse mode takes the inner pullback and forward mode the inner pushforward, each
+    alone, with jit inside or outside (one function serves both modes)."""
+    h = ad.differentiate_with(model, TORCH)
+    ran: list[str] = []
+    original = ad.prepare
+
+    def prepare(op, f, *args, **kwargs):
+        prepared = original(op, f, *args, **kwargs)
+
+        def counted(*a, **k):
+            ran.append(op.__name__)
+            return prepared(*a, **k)
+
+        return counted
+
+    monkeypatch.setattr(ad, "prepare", prepare)
+    x, t = xs[0], xs[1]
+    jax.block_until_ready(jax.jit(jax.grad(lambda v: jnp.sum(h(v) ** 2)))(x))
+    jax.block_until_ready(jax.grad(lambda v: jnp.sum(jax.jit(h)(v) ** 2))(x))
+    assert ran == ["pullback", "pullback"]
+    ran.clear()
+    jax.block_until_ready(jax.jvp(jax.jit(h), (x,), (t,)))
+    jax.block_until_ready(jax.jit(lambda a, b: jax.jvp(h, (a,), (b,)))(x, t))
+    assert ran == ["pushforward", "pushforward"]
+
+
+def test_scipy_erf_reverse_over_forward():
+    """jax.grad of a jvp's tangent: the pullback of the pushforward (finite differences of
+    finite differences), against erf's analytic second derivative."""
+    h = ad.differentiate_with(scipy.special.erf, FD)
+    x, t = jnp.array([-0.7, 0.2, 1.1]), jnp.array([1.0, -2.0, 0.5])
+    xn, tn = np.asarray(x, np.float64), np.asarray(t, np.float64)
+    got = jax.jit(jax.grad(lambda v: jnp.sum(jax.jvp(h, (v,), (t,))[1])))(x)
+    assert_tree_allclose(got, erf_second(xn) * tn, rtol=1e-4, atol=1e-5)
+
+
 def test_torch_parameters_as_jax_arrays_through_ad_gradient(model, xs):
     """The parameters are JAX arrays, passed to a torch function: JAX trains a torch model."""
     params = jax_params(model)
@@ -286,6 +349,8 @@ def test_higher_orders_raise_unsupported(model, xs):
         jax.jacfwd(jax.hessian(h))(x)
     with pytest.raises(UnsupportedError, match="reverse-over-reverse"):
         jax.jacrev(jax.grad(h))(x)
+    with pytest.raises(UnsupportedError, match="reverse-over-forward"):
+        jax.grad(lambda v: jnp.sum(jax.jvp(h, (v,), (v,))[1]))(x)
     ht = ad.differentiate_with(lambda x: jnp.sum(jnp.sin(x)), ad.AutoJAX())
     xt = torch.tensor([0.1, 0.2], requires_grad=True)
     (g1,) = torch.autograd.grad(ht(xt), xt, create_graph=True)

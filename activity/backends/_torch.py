@@ -294,7 +294,10 @@ class AutoTorch(Backend):
             # One tangent through f itself (not a gradient function another transform made):
             # dual tensors, the same forward-mode rules as torch.func.jvp without its wrapping.
             if not batched and hasattr(F, "problem"):
-                return _dual_jvp(F, xs, ts)
+                dual = _dual_jvp(F, xs, ts)
+                if dual is not None:
+                    return dual
+                _torch().set_rng_state(state)  # f runs again, drawing what it drew the first time
             return _func_jvp(F, xs, ts, batched, self)
         except (RuntimeError, NotImplementedError) as error:
             if self.vectorize or not _is_transform_limit(error):
@@ -354,9 +357,20 @@ def _copy_for_view(t: Any) -> Any:
     return t if isinstance(t, _torch().nn.Parameter) else t.clone()
 
 
+class _DualWatch:
+    """Whether a tape operator ran on a dual tensor inside `_dual_jvp`'s f (an AutoTorch
+    gradient or pullback called by f: forward over reverse): `_tape_leaf` detaches, which
+    drops the tangent, so that forward pass is redone by `torch.func.jvp`."""
+
+    open = 0
+    dropped = False
+
+
 def _tape_leaf(x: Any) -> Any:
     """A fresh tensor the tape differentiates: never the user's own, so no other use of the
     same tensor (a Constant, a tied module, a closure) is differentiated with it."""
+    if _DualWatch.open and _torch().autograd.forward_ad.unpack_dual(x).tangent is not None:
+        _DualWatch.dropped = True
     if x.is_inference():
         return x.clone().requires_grad_()
     return x.detach().requires_grad_()
@@ -517,15 +531,24 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
     return checked
 
 
-def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
+def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat] | None:
     """One tangent by forward-mode AD on dual tensors (`torch.autograd.forward_ad`), outside
     every `torch.func` transform: on a small model a third of `torch.func.jvp`'s time, which
     wraps every input and output for its transform levels. Dual tensors are fresh views,
-    so only the Active occurrence carries the tangent."""
+    so only the Active occurrence carries the tangent. None where f ran a tape operator on
+    a dual tensor (see `_DualWatch`): its result lost that tangent."""
     torch = _torch()
     forward_ad = torch.autograd.forward_ad
     with _FORWARD_AD, forward_ad.dual_level():
-        ys, aux = F(tuple(map(forward_ad.make_dual, xs, ts)))
+        outer_dropped, _DualWatch.dropped = _DualWatch.dropped, False
+        _DualWatch.open += 1
+        try:
+            ys, aux = F(tuple(map(forward_ad.make_dual, xs, ts)))
+        finally:
+            _DualWatch.open -= 1
+            dropped, _DualWatch.dropped = _DualWatch.dropped, outer_dropped
+        if dropped:
+            return None
         unpacked = [forward_ad.unpack_dual(y) for y in ys]
         if ys and all(u.tangent is None for u in unpacked) and any(arrays.size(x) for x in xs):
             raise _disconnected(getattr(F, "op_name", None))
