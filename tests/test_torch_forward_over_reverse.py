@@ -40,3 +40,24 @@ def test_pushforward_of_a_prepared_pullback_inside_f():
     # the plain forward mode of f itself (no tape operator inside) still gives the same numbers
     plain = ad.pushforward(lambda v: torch.sin(2 * v) * 3.0, Active(x), tangent=t, backend=TORCH)
     assert_tree_allclose(plain, got, rtol=1e-5, atol=1e-6)
+
+
+def test_pushforward_in_the_data_of_a_module_gradient_inside_f():
+    """The tangent is in the data the inner gradient takes as a Constant: a mixed second
+    derivative (how a module's gradient moves with its input), on every call of a prepared
+    inner gradient, whose view and tape leaves are kept between calls."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    x, t = torch.randn(4, 3), torch.randn(4, 3)
+    params = dict(model.named_parameters())
+
+    def loss(m, x):
+        return m(x).pow(2).mean()
+
+    inner = ad.prepare(ad.gradient, loss, Active(model), Constant(x), backend=TORCH)
+    want = torch.func.jvp(
+        lambda x: torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).pow(2).mean())(params), (x,), (t,)
+    )[1]
+    for _ in range(3):
+        got = ad.pushforward(lambda x: inner(model, x), Active(x), tangent=t, backend=TORCH)
+        assert_tree_allclose(got, want, rtol=1e-5, atol=1e-6)
