@@ -208,27 +208,49 @@ is 10 to 20 %; on the first-order calls at width 8 (about 100 us) the rows move 
 while the prepared object accepts annotated arguments and explains a mismatch
 instead of recompiling silently.
 
-**PyTorch.** A prepared torch `gradient`, and a `pullback` of one cotangent, run straight
-on the autograd tape like the raw call; every other operator runs its pipeline, past the
-prepared object's general dispatch. Before `f` runs, the arguments are checked against
-the prepared signature by a split made once at `prepare` for that signature: a module by
-its description (every submodule, parameter and buffer slot holds the same object, each
+**PyTorch.** A prepared torch `gradient`, a `pullback` of one cotangent and an `hvp` of
+one tangent run straight on the autograd tape; every other operator runs its pipeline,
+past the prepared object's general dispatch. Before `f` runs, the arguments are checked
+against the prepared signature by a split made once at `prepare`: a module by its
+description (every submodule, parameter and buffer slot holds the same object, each
 tensor has the prepared shape, dtype, device and `requires_grad`, no instance attribute
 was added or redirected: a few C-level passes, no walk, no names), a tensor by its type,
-shape, dtype and device, a pytree of tensors by its structure and then each leaf. A
-difference sends the call to the checked path, which describes the module again or says
-what changed. Then come fresh tape leaves (`detach()` views: a Constant or tied use of
-the same tensor is never differentiated), a view of the module (its submodule slots
-copied, so buffers, flags and `.grad` of the user's module never change), and the
-gradients arranged like `named_parameters()`. The raw call does none of this: it reuses a
-parameter list made once, so a layer replaced between calls, or a parameter frozen with
-`requires_grad_(False)`, silently gets a stale or wrong gradient. What remains is that
-work, a few microseconds per module and per tensor of Python: it weighs on the width-8
-MLP step and fades from width 256 on. Unprepared torch gradients keep the checked split of
-the last call of the same operator and argument kinds (dropped with the module), so a loop
-that does not prepare pays the same checks instead of a new plan per call. A
-Hessian-vector product of one tangent is a double backward on the tape, faster than
-`torch.func.jvp(torch.func.grad(f))` on every model here.
+shape, dtype and device. A difference sends the call to the checked path, which
+describes the module again or says what changed. Three things used to cost more than the
+forward and backward passes of a small model, and are gone:
+
+- *Fresh tape leaves and a new view of the module on every call.* The view (a structural
+  copy whose parameters are the differentiated tensors, so a Constant or tied use of a
+  parameter is never differentiated, and buffers, flags and `.grad` of the user's module
+  never change) is now built once per prepared signature with tape leaves that alias the
+  parameters (`detach()`: the same storage, so optimizer steps are seen), and re-pointed
+  per call: each copied submodule's `__dict__` is copied again from the user's module
+  (`train()`/`eval()`, attributes), its own slots put back, its buffer copies overwritten
+  with the user's buffers (BatchNorm statistics start from the user's, which never change).
+  A parameter given new storage (`p.data = ...`) gets new leaves; a view that `f` kept a
+  reference to is left alone and another one made. An RNN's weight references point at the
+  view's weights, so its forward no longer rebuilds them on every call.
+- *The argument handling of `torch.autograd.grad`.* Plain tensors whose cotangents
+  activity has checked go straight to the autograd engine, as `torch.autograd.grad` does
+  after that handling (a tensor subclass takes the public call); this is why a small
+  prepared Hessian-vector product costs no more than the hand-written double backward.
+- *`torch.func.jvp` for one tangent.* Forward mode of one tangent runs on dual tensors
+  (`torch.autograd.forward_ad`), the same forward-mode rules without the transform's
+  wrapping of every input and output: about a third of the time on the small MLPs. Where
+  `f` runs a tape operator on a dual tensor (an AutoTorch gradient inside `f`), or an
+  operation has no forward-mode rule, it is redone by `torch.func.jvp` or on the tape.
+
+What remains is the check of the module and the re-pointing of the view, a few
+microseconds per module and per tensor of Python: it weighs on the width-8 MLP step and
+fades from width 256 on. The raw call does none of it: it reuses a parameter list made
+once, so a layer replaced between calls, or a parameter frozen with
+`requires_grad_(False)`, silently gets a stale or wrong gradient. Unprepared torch
+gradients keep the checked split of the last call of the same operator and argument kinds
+(dropped with the module). A Hessian-vector product of one tangent is a double backward
+on the tape, faster than `torch.func.jvp(torch.func.grad(f))` on every model here (on
+dual tensors too: forward over the tape's backward pass measured 1.8x the double
+backward on the width-64 MLP); where a gradient comes back without a graph (`f` linear
+in that leaf, or a `@once_differentiable` backward) forward over reverse decides.
 
 **Equinox.** A prepared JAX call whose arguments hold static leaves (an Equinox module's
 activation functions) is one `jax.jit` over their array leaves: JAX flattens each
@@ -240,9 +262,11 @@ instead of `eqx.partition`.
 `torch.func.vjp` (as `torch.func.jacrev` does) or `jax.vjp`, forward-mode ones over
 `jvp`, Hessians are forward over reverse; no Python loop over columns. On torch the
 reverse-mode Jacobian runs `f` once on the tape and pulls the output basis back with
-`vmap` over the backward pass, then runs one more backward pass, of a weighted sum of
-the basis, that checks torch's batching rules on this `f` (some are wrong in torch 2.13):
-that check is most of its remaining cost. The torch
+`vmap` over the backward pass. On the first call of a prepared operator one more
+backward pass, of a weighted sum of the basis, checks torch's batching rules on this `f`
+(some are wrong in torch 2.13: `cdist`'s pulls back the first row for every row); the
+verdict is kept, so later calls pay nothing for it (a wrong rule: one row at a time from
+then on). Unprepared calls check every time. The torch
 Hessian comes out faster than `torch.func.hessian` (`jacfwd(jacrev(f))`, a `vmap`
 nested in a `vmap`): `activity` pushes the basis through one `vmap` of a
 forward-over-reverse product of `torch.func.grad`. We measured this, not analysed it."""

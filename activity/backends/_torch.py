@@ -9,11 +9,16 @@ way (no forward-mode rule, a custom `autograd.Function` without
 falls back to the tape. Inside an outer `torch.func` transform the tape is
 unavailable, so everything runs through `torch.func` there.
 
-Differentiated leaves are always fresh tensors, never the user's own: only
-the Active argument's occurrence is differentiated, even where the same
-parameter is also a Constant, tied into another module or captured by ``f``.
-Modules run as views (see `_torch_modules`), so BatchNorm statistics, flags
-and ``.grad`` of the user's module never change.
+Differentiated leaves are never the user's own tensors: fresh ``detach()``
+aliases, so only the Active argument's occurrence is differentiated, even
+where the same parameter is also a Constant, tied into another module or
+captured by ``f``. Modules run as views (see `_torch_modules`), so BatchNorm
+statistics, flags and ``.grad`` of the user's module never change; a prepared
+call keeps its view and its parameters' aliases between calls and re-points
+them (`ReusedView`) instead of building them again. One tangent of forward
+mode runs on dual tensors (`torch.autograd.forward_ad`) rather than
+`torch.func.jvp`; tape calls whose cotangents activity has checked go to
+the autograd engine without `torch.autograd.grad`'s argument handling.
 """
 
 from __future__ import annotations
