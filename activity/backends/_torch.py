@@ -234,7 +234,7 @@ class AutoTorch(Backend):
             return CompiledCall(lambda *values, **seed_kwargs: run(f, values, seed_kwargs))
         if name in ("pullback", "value_and_pullback") and single:
             return CompiledCall(_tape_pullback(plan))
-        if name in ("hvp", "gradient_and_hvp") and single and self.hvp_mode != "forward-over-reverse":
+        if name in ("hvp", "gradient_and_hvp") and single and plan.backend is self and self.hvp_mode != "forward-over-reverse":
             return CompiledCall(_tape_hvp_call(plan))
         return CompiledCall(_checked_pipeline(plan))
 
