@@ -31,7 +31,7 @@ class Sizes:
 
 FULL = Sizes(
     mlp_widths=(8, 64, 256, 1024), vector_sizes=(8, 64, 256), unprepared_widths=(8, 1024),
-    scaling_widths=(22, 70, 223, 706), closure_batches=50, closure_repeats=3, rounds=25, round_s=0.02,
+    scaling_widths=(22, 70, 223, 706), closure_batches=50, closure_repeats=3, rounds=41, round_s=0.02,
 )
 QUICK = Sizes(
     mlp_widths=(4, 8), vector_sizes=(4, 8), unprepared_widths=(4,),

@@ -13,7 +13,10 @@ from torch import nn
 import activity as ad
 from activity import Active, Constant
 
-from ._case import DENSE_TARGET, FIRST_ORDER_TARGET, HVP_TARGET, PREPARED, SCALING, UNPREPARED, Case
+from ._case import (
+    FIRST_ORDER_TARGET, HVP_TARGET, PREPARED, SCALING, SMALL_STEP_TARGET, TORCH_HESSIAN_TARGET, TORCH_JACOBIAN_TARGET,
+    UNPREPARED, UNPREPARED_TARGET, Case,
+)
 
 DOUBLE_BACKWARD = "double backward (`torch.autograd.grad` twice)"
 
@@ -75,7 +78,11 @@ def _by_name(model: nn.Module):
     return lambda grads: dict(zip(names, grads))
 
 
-def _gradient_case(model_name, model, x, size_label, family=PREPARED, raw_model=None, loss=mse) -> Case:
+def _first_order_target(width: int | None) -> float:
+    return SMALL_STEP_TARGET if width is not None and width < 64 else FIRST_ORDER_TARGET
+
+
+def _gradient_case(model_name, model, x, size_label, family=PREPARED, raw_model=None, loss=mse, width=None) -> Case:
     """``raw_model``: a twin the raw call differentiates, for a module whose forward changes it
     (train-mode BatchNorm statistics: activity's view never changes the user's module)."""
     raw_model = model if raw_model is None else raw_model
@@ -86,7 +93,7 @@ def _gradient_case(model_name, model, x, size_label, family=PREPARED, raw_model=
         raw=lambda: torch.autograd.grad(loss(raw_model, x), params),
         ours=lambda: prepared(model, x),
         raw_as_ours=_by_name(raw_model),
-        target=FIRST_ORDER_TARGET,
+        target=_first_order_target(width),
     )
 
 
@@ -209,7 +216,7 @@ def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case
     for width in mlp_widths:
         model, x, label = mlp(width), _data(BATCH, width), f"width {width}"
         size = parameter_count(model)
-        cases.append(_gradient_case("MLP", model, x, label))
+        cases.append(_gradient_case("MLP", model, x, label, width=width))
 
         params = [p for p in model.parameters() if p.requires_grad]
         cotangent = torch.ones(BATCH, 1)
@@ -218,7 +225,7 @@ def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case
             FRAMEWORK, "pullback", PREPARED, "MLP", size, label,
             raw=lambda model=model, x=x, params=params, ct=cotangent: torch.autograd.grad(model(x), params, ct),
             ours=lambda model=model, x=x, ct=cotangent, prepared=pullback: prepared(model, x, cotangent=ct),
-            raw_as_ours=_by_name(model),
+            raw_as_ours=_by_name(model), target=_first_order_target(width),
         ))
 
         tangents = [torch.ones_like(p) for p in params]
@@ -237,6 +244,7 @@ def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case
             FRAMEWORK, "pushforward", PREPARED, "MLP (tensors)", size, label,
             raw=lambda p=fparams, x=x, t=tangent: torch.func.jvp(lambda p: functional_mlp(p, x), (p,), (t,))[1],
             ours=lambda p=fparams, x=x, t=tangent, prepared=pushforward: prepared(p, x, tangent=t),
+            target=None if width < 64 else FIRST_ORDER_TARGET,
         ))
 
     if networks:
@@ -254,14 +262,14 @@ def prepared_cases(mlp_widths, vector_sizes, networks: bool = True) -> list[Case
             FRAMEWORK, "jacobian", PREPARED, "tanh(A v)", n, label,
             raw=lambda v=v, a=a: torch.func.jacrev(vector_map)(v, a),
             ours=lambda v=v, a=a, prepared=jacobian: prepared(v, a),
-            target=DENSE_TARGET,
+            target=TORCH_JACOBIAN_TARGET,
         ))
         hessian = ad.prepare(ad.hessian, vector_loss, Active(v), Constant(a))
         cases.append(Case(
             FRAMEWORK, "hessian", PREPARED, "sum tanh(A v)^2", n, label,
             raw=lambda v=v, a=a: torch.func.hessian(vector_loss)(v, a),
             ours=lambda v=v, a=a, prepared=hessian: prepared(v, a),
-            target=DENSE_TARGET,
+            target=TORCH_HESSIAN_TARGET,
         ))
         t = torch.ones(n)
         hvp = ad.prepare(ad.hvp, vector_loss, Active(v), Constant(a), tangent=t)
@@ -292,7 +300,7 @@ def unprepared_cases(mlp_widths) -> list[Case]:
             FRAMEWORK, "gradient", UNPREPARED, "MLP", size, label,
             raw=lambda model=model, x=x, params=params: torch.autograd.grad(mse(model, x), params),
             ours=lambda model=model, x=x: ad.gradient(mse, Active(model), Constant(x), backend=backend),
-            raw_as_ours=by_name,
+            raw_as_ours=by_name, target=UNPREPARED_TARGET if width < 64 else None,
         ))
         cotangent = torch.ones(BATCH, 1)
         cases.append(Case(

@@ -110,6 +110,20 @@ def test_an_operator_with_two_targets_gets_a_row_per_target_naming_its_models():
     ]
 
 
+def test_one_model_under_two_targets_is_named_with_its_sizes_and_unprepared_rows_say_so():
+    timing = Timing(100e-6, 108e-6, 1, (100e-6,), (108e-6,))
+    small = attrs.evolve(_fake_case("torch", "gradient", PREPARED, 10, 1.10), size_label="width 8")
+    wide = attrs.evolve(_fake_case("torch", "gradient", PREPARED, 10, 1.05), size_label="width 64")
+    cnn = attrs.evolve(_fake_case("torch", "gradient", PREPARED, 10, 1.05), model="CNN", size_label="16x16 images")
+    loose = attrs.evolve(_fake_case("torch", "gradient", UNPREPARED, 10, 1.30), size_label="width 8")
+    rows = _report.target_rows([_report.Measurement(c, timing) for c in (small, wide, cnn, loose)], None)
+    assert [row[:2] + row[3:] for row in rows] == [
+        ["prepared torch gradient (MLP width 8)", "ratio <= 1.1", "1 of 1", "met"],
+        ["prepared torch gradient (MLP width 64, CNN)", "ratio <= 1.05", "0 of 2", "**not met**"],
+        ["unprepared torch gradient, width 8", "ratio <= 1.3", "1 of 1", "met"],
+    ]
+
+
 class FakeClock:
     """A clock that only moves when a fake function says how long it took."""
 
