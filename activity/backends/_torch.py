@@ -808,21 +808,33 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     value_wanted = op_name == "value_and_gradient"
     lone_module = _lone_module(problem)
     tensor_type = torch.Tensor
+    engine, ones_like, call = _engine(), torch.ones_like, problem.call
+    grad_enabled, inference_mode, functorch_level = (
+        torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._functorch.maybe_current_level
+    )
 
     def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
-        got = None if seed_kwargs or len(values) != n_args or not _usable(torch) else arguments(values)
+        usable = grad_enabled() and not inference_mode() and functorch_level() is None  # `_usable`
+        got = None if seed_kwargs or len(values) != n_args or not usable else arguments(values)
         if got is None:
             raise SignatureChanged
         args, leaves, xs, leases = got
         del got
         out: Any = None
         try:
-            out = problem.call(f, args)
-            if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
+            out = call(f, args)
+            if type(out) is tensor_type and out.dim() == 0 and out.dtype.is_floating_point and engine is not None:
                 y, spec = out, None
-            else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
-                (y,), spec = problem.output_leaves(out, scalar=True)
-            grads = _tape_grads(y, leaves, xs, op_name)
+                if not y.requires_grad:
+                    raise _disconnected(op_name)
+                # `_tape_grads`, inlined: the usual scalar loss, a plain tensor, to the engine
+                grads = _zeros_for_unused(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), xs, op_name)
+            else:
+                if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
+                    y, spec = out, None
+                else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
+                    (y,), spec = problem.output_leaves(out, scalar=True)
+                grads = _tape_grads(y, leaves, xs, op_name)
         finally:
             if leases:
                 args.clear()  # a leased view goes back only if nothing of ours still holds it
@@ -858,12 +870,16 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
     tensor_type = torch.Tensor
     lone_module = _lone_module(problem)
     one_tensor = seed_key == (None, LEAF)  # prepared with one tensor cotangent
+    engine = _engine()
+    grad_enabled, inference_mode, functorch_level = (
+        torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._functorch.maybe_current_level
+    )
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
     def pullback(*values: Any, **seed_kwargs: Any) -> Any:
-        if len(values) != n_args or not _usable(torch):
-            raise SignatureChanged
+        if len(values) != n_args or not (grad_enabled() and not inference_mode() and functorch_level() is None):
+            raise SignatureChanged  # (the second test is `_usable`)
         cotangent: Any = seed_kwargs.get("cotangent")
         if one_tensor and len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
             cts_given: Flat = (cotangent,)  # what `encode_seeds` makes of one tensor, without a walk
@@ -880,6 +896,7 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
         del got
         out: Any = None
         traced = None
+        grads: Flat | None = None
         try:
             out = problem.call(f, args)
             if (
@@ -890,6 +907,8 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
                 and out.shape == cotangent.shape
             ):  # one tensor out, a cotangent of its shape and dtype: what the checks below pass as it is
                 ys, cts, connected = (out,), cts_given, [0]
+                if engine is not None:
+                    grads = _zeros_for_unused(engine.run_backward(ys, cts, False, False, leaves, True, False), xs, op_name)
             else:
                 if seeds is None:
                     seeds = Seeds(cts_given, None, LEAF)
@@ -899,7 +918,8 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
                 connected = [i for i, y in enumerate(ys) if y.requires_grad]
                 if not connected:
                     raise _disconnected(op_name)
-            grads = _zeros_for_unused(_backward(tuple(ys[i] for i in connected), tuple(cts[i] for i in connected), leaves), xs, op_name)
+            if grads is None:
+                grads = _zeros_for_unused(_backward(tuple(ys[i] for i in connected), tuple(cts[i] for i in connected), leaves), xs, op_name)
         finally:
             if leases:
                 args.clear()  # as in `_tape_gradient`
