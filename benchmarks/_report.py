@@ -158,7 +158,12 @@ def target_rows(
         siblings = [g for k, g in groups.items() if k[:3] == (family, framework, operator) and g is not group]
         if siblings:
             shared = {m.case.model for g in siblings for m in g}  # a model under two targets: named with its sizes
-            names = dict.fromkeys(f"{m.case.model} {m.case.size_label}" if m.case.model in shared else m.case.model for m in group)
+            sized = [m for m in group if m.case.model in shared]
+            names = dict.fromkeys(
+                (f"{m.case.model} {m.case.size_label}" if len(sized) <= 2 else f"{m.case.model} (other sizes)")
+                if m.case.model in shared else m.case.model
+                for m in group
+            )
             models = " (" + ", ".join(names) + ")"
             what = "every size" if not shared & {m.case.model for m in group} else ""
         elif family == UNPREPARED and len({m.case.size_label for m in group}) == 1:

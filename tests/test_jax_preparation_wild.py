@@ -120,6 +120,31 @@ def aux_f(p):
     return scalar_f(p), {"s": "text", "n": p["a"] * 2, "b": jnp.sum(p["w"]["z"])}
 
 
+def flat_params() -> dict:
+    """One level, keys out of sorted order, a different shape each: a value under the wrong key shows."""
+    return {"w1": jnp.linspace(0.1, 0.9, 4).reshape(2, 2), "b1": jnp.array([0.3, -0.2]), "a": jnp.array([0.5, 0.1, -0.4])}
+
+
+def flat_f(p):
+    return jnp.sum(jnp.sin(p["w1"]) ** 2) + jnp.sum(p["b1"] ** 3) + jnp.sum(jnp.tanh(p["a"]))
+
+
+@pytest.mark.parametrize("op", ["gradient", "value_and_gradient", "pullback"])
+def test_a_prepared_result_shaped_like_a_flat_dict_keeps_each_array_under_its_key(op):
+    p = flat_params()
+    seeds = {"cotangent": jnp.asarray(2.0)} if op == "pullback" else {}
+    prepared = ad.prepare(getattr(ad, op), flat_f, Active(p), **seeds)
+    scale = 2.0 if op == "pullback" else 1.0
+    want = jax.tree.map(lambda g: scale * g, jax.grad(flat_f)(p))
+    for _ in range(2):
+        got = prepared(flat_params(), **seeds)
+        got = got[1] if op == "value_and_gradient" else got
+        assert list(got) == list(p)
+        for key in p:
+            assert got[key].shape == p[key].shape
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6)
+
+
 def nest(outer, inner):
     """``outer`` with each leaf replaced by ``inner``, in ``outer``'s key order (jacobian layout)."""
     if isinstance(outer, dict):

@@ -288,7 +288,16 @@ def _with_static_output(function: Callable[..., Any], rebuilt: dict[Any, Any]) -
         out = function(*args, **kwargs)
         keeps = _jax_keeps(out)
         rebuilt.setdefault("first", not keeps)
-        return out if keeps else _Output(*partition(out))
+        if keeps:
+            return out
+        dynamic, static = partition(out)
+        # A flat dict of arrays (a gradient of a dict of parameters): rebuilt by its keys alone,
+        # in their order, from the arrays in the order the flatten gave them.
+        keys = None
+        if type(out) is dict and len(dynamic) == len(out) and all(map(_is_jax_array, out.values())):
+            order, _ = flatten({key: index for index, key in enumerate(out)})
+            keys = (tuple(out), tuple(order.index(index) for index in range(len(out))))
+        return _Output(dynamic, _Static(static, keys))
 
     return returnable
 
@@ -296,6 +305,9 @@ def _with_static_output(function: Callable[..., Any], rebuilt: dict[Any, Any]) -
 def _rebuilt(out: Any) -> Any:
     if type(out) is not _Output:
         return out
+    keys = out.static.keys
+    if keys is not None:
+        return dict(zip(keys[0], map(out.dynamic.__getitem__, keys[1])))
     if out.static.arrays_only:  # the usual case, a dict of arrays: no leaves to put back
         return unflatten(out.static.value[0], out.dynamic)
     return combine(out.dynamic, out.static.value)
@@ -315,11 +327,12 @@ class _Static:
     """The static part of a result, as JAX node data: hashed and compared by identity, as
     it may hold unhashable leaves (and one trace's output never equals another's)."""
 
-    __slots__ = ("value", "arrays_only")
+    __slots__ = ("value", "arrays_only", "keys")
 
-    def __init__(self, value: tuple[Any, ...]):
+    def __init__(self, value: tuple[Any, ...], keys: tuple[tuple[Any, ...], tuple[int, ...]] | None = None):
         self.value = value  # `partition`'s static part: (structure, which leaves are arrays, the others)
         self.arrays_only = all(value[1])
+        self.keys = keys  # a flat dict of arrays: its keys, and where each one's array is among the outputs
 
 
 _output_lock = threading.Lock()
@@ -334,6 +347,10 @@ def _register_output() -> None:
                 _Output, lambda out: (out.dynamic, out.static), lambda static, dynamic: _Output(list(dynamic), static)
             )
             _output_registered = True
+
+
+def _is_jax_array(value: Any) -> bool:
+    return isinstance(value, _jax().Array)
 
 
 def _jax_keeps(out: Any) -> bool:
