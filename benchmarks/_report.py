@@ -211,12 +211,15 @@ arguments and their split into differentiated and constant leaves are traced wit
 derivative, so JAX's C++ dispatch checks shapes and dtypes and finds the compiled code,
 as it does for the raw `jax.jit(jax.grad(f))`. What remains is the prepared object's
 own Python entry (a call frame, a scan for annotated arguments, the guard that sends a
-new signature to the checked path): about 1 to 3 us per call, measured alone. On the
-smallest calls here (10 to 20 us: the jacobian, hessian and hvp at n = 8 and 64) that
-is 10 to 20 %; on the first-order calls at width 8 (about 100 us) the rows move by
-+-10 % from one run to the next on this machine, more than that cost. It cannot go
-while the prepared object accepts annotated arguments and explains a mismatch
-instead of recompiling silently.
+new signature to the checked path) and, where a result is a dict whose keys JAX would
+sort, putting them back in the order of the argument: measured alone with JAX's
+synchronous CPU dispatch (`jax_cpu_enable_async_dispatch=False`, where the width-8 MLP
+calls take 12 to 18 us and repeat to 0.1 %), 1.0 to 1.8 us per call, 5 to 10 % at width 8
+(pullback 1.10, pushforward 1.06, gradient 1.07) and 3 to 8 % at width 64. With the
+default asynchronous dispatch used here, the same calls take 40 to 90 us, in two modes
+that a round can fall into on either side, so those rows move by +-10 % from one run to
+the next, more than that cost. It cannot go while the prepared object accepts annotated
+arguments and explains a mismatch instead of recompiling silently.
 
 **PyTorch.** A prepared torch `gradient`, a `pullback` of one cotangent and an `hvp` of
 one tangent run straight on the autograd tape; every other operator runs its pipeline,
