@@ -325,6 +325,34 @@ def test_unprepared_calls_see_a_layer_replaced_and_a_parameter_frozen_in_between
     assert_dicts_close(got, raw_gradient(model, x))
 
 
+def test_unprepared_pullbacks_see_new_models_layers_frozen_parameters_and_cotangents():
+    """Unprepared pullbacks of one signature reuse the last call's checked path: each call
+    still gets its own model's, layer's and cotangent's pullback (against torch.autograd.grad)."""
+    x = data(5, 4)
+
+    def want(model, ct):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        grads = torch.autograd.grad(model(x), [p for _, p in named], ct)
+        return {n: g for (n, _), g in zip(named, grads)}
+
+    first, second = mlp(seed=0), mlp(seed=1)
+    for model, seed in ((first, 2), (second, 3), (first, 4)):
+        ct = data(5, 1, seed=seed)
+        assert_dicts_close(ad.pullback(lambda m, x: m(x), Active(model), Constant(x), cotangent=ct), want(model, ct))
+    first[2] = nn.Linear(4, 1)
+    ct = data(5, 1, seed=5)
+    assert_dicts_close(ad.pullback(lambda m, x: m(x), Active(first), Constant(x), cotangent=ct), want(first, ct))
+    first[0].weight.requires_grad_(False)
+    got = ad.pullback(lambda m, x: m(x), Active(first), Constant(x), cotangent=ct)
+    assert "0.weight" not in got
+    assert_dicts_close(got, want(first, ct))
+    value, got = ad.value_and_pullback(lambda m, x: m(x), Active(second), Constant(x), cotangent=ct)
+    torch.testing.assert_close(value, second(x).detach(), **TOL)
+    assert_dicts_close(got, want(second, ct))
+    with pytest.raises(ValueError, match="shape"):
+        ad.pullback(lambda m, x: m(x), Active(second), Constant(x), cotangent=torch.ones(5, 2))
+
+
 def test_unprepared_calls_keep_no_dropped_model_alive():
     model, x = mlp(), data(5, 4)
     ad.gradient(mse, Active(model), Constant(x))

@@ -233,18 +233,23 @@ class AutoTorch(Backend):
             run, f = _tape_gradient(plan.problem, name), plan.f
             return CompiledCall(lambda *values, **seed_kwargs: run(f, values, seed_kwargs))
         if name in ("pullback", "value_and_pullback") and single:
-            return CompiledCall(_tape_pullback(plan))
+            pull, f = _tape_pullback(plan.problem, plan.operator, plan.seed_key), plan.f
+            return CompiledCall(lambda *values, **seed_kwargs: pull(f, values, seed_kwargs))
         if name in ("hvp", "gradient_and_hvp") and single and plan.backend is self and self.hvp_mode != "forward-over-reverse":
             return CompiledCall(_tape_hvp_call(plan))
         return CompiledCall(_checked_pipeline(plan))
 
     def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
         # Only signatures of lone tensors and modules: the call holds no static value of the user's.
-        if type(self) is not AutoTorch or plan.operator.name not in ("gradient", "value_and_gradient"):
+        name = plan.operator.name
+        if type(self) is not AutoTorch or plan.options.get("has_aux"):
             return None
-        if plan.options.get("has_aux"):
+        if name in ("gradient", "value_and_gradient"):
+            run = _tape_gradient(plan.problem, name, fallback=False)
+        elif name in ("pullback", "value_and_pullback") and plan.seeds is not None and plan.seeds.batch is None:
+            run = _tape_pullback(plan.problem, plan.operator, plan.seed_key, fallback=False)
+        else:
             return None
-        run = _tape_gradient(plan.problem, plan.operator.name, fallback=False)
         return run if getattr(run, "split").entries is not None else None
 
     # -- reverse mode ---------------------------------------------------------
@@ -859,14 +864,15 @@ def _lone_module(problem: Any) -> tuple[int, int] | None:
     return None
 
 
-def _tape_pullback(plan: Any) -> Callable[..., Any]:
-    """A prepared pullback of one cotangent straight on the tape (see `_tape_gradient`):
-    one evaluation of f, one `torch.autograd.grad` with the cotangent, nothing kept."""
+def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = True) -> Callable[..., Any]:
+    """A pullback of one cotangent straight on the tape (see `_tape_gradient`), for one
+    signature: ``run(f, values, seed_kwargs)``; one evaluation of f, one backward pass with
+    the cotangent, nothing kept. It holds no ``f`` (`reusable_call`)."""
     torch = _torch()
-    problem, f, n_args, operator = plan.problem, plan.f, len(plan.problem.kinds), plan.operator
-    split_checked = _FastSplit(problem)
+    n_args = len(problem.kinds)
+    split_checked = _FastSplit(problem, fallback)
     value_wanted = operator.name == "value_and_pullback"
-    op_name, seed_key = operator.name, plan.seed_key
+    op_name = operator.name
     tensor_type = torch.Tensor
     lone_module = _lone_module(problem)
     one_tensor = seed_key == (None, LEAF)  # prepared with one tensor cotangent
@@ -877,7 +883,7 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
-    def pullback(*values: Any, **seed_kwargs: Any) -> Any:
+    def pullback(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
         if len(values) != n_args or not (grad_enabled() and not inference_mode() and functorch_level() is None):
             raise SignatureChanged  # (the second test is `_usable`)
         cotangent: Any = seed_kwargs.get("cotangent")
@@ -931,6 +937,7 @@ def _tape_pullback(plan: Any) -> Callable[..., Any]:
         values_out = [y.detach() for y in ys]
         return (values_out[0] if traced is None else traced.output(values_out)), result
 
+    pullback.split = split_checked  # type: ignore[attr-defined]
     return pullback
 
 
