@@ -380,7 +380,12 @@ def markdown(
         "## Machine and versions",
         _table(["", ""], [[k, v] for k, v in env.items()]),
         f"The whole run took {seconds:.0f} s. PyTorch runs with `torch.set_num_threads(1)`, "
-        "so a ratio compares single-threaded work on both sides; JAX keeps its defaults.",
+        "so a ratio compares single-threaded work on both sides; JAX keeps its defaults. "
+        "The harness runs with glibc's `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` "
+        "raised (it sets them itself), so freed memory stays mapped: otherwise a call of "
+        "10 ms takes 12 or 18 ms on either side depending on whether its pages were still "
+        "mapped. Python's cyclic garbage collector is paused during the timed rounds, as "
+        "`timeit` does.",
         "## How it is measured",
         "Each case pairs an `activity` call with the hand-written call it replaces, on the same "
         "function, parameters and data, in the same process. After a warm-up of both (which "

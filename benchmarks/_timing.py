@@ -8,6 +8,7 @@ noisy 2-core box. Medians over rounds discard the occasional stalled round.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Callable
@@ -85,9 +86,19 @@ def alternate(
     if calls is None:
         calls = min(calls_for(raw, round_s, clock), calls_for(ours, round_s, clock))
     raw_rounds, ours_rounds = [], []
-    for _ in range(rounds):
-        raw_rounds.append(seconds_per_call(raw, calls, clock))
-        ours_rounds.append(seconds_per_call(ours, calls, clock))
+    # The cyclic garbage collector paused while the rounds run, as `timeit` does: a collection
+    # walks every object of this process, which holds every case's models at once, and lands
+    # on whichever side happens to allocate when it is due.
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            raw_rounds.append(seconds_per_call(raw, calls, clock))
+            ours_rounds.append(seconds_per_call(ours, calls, clock))
+    finally:
+        if collecting:
+            gc.enable()
     return Timing(
         raw_s=statistics.median(raw_rounds),
         ours_s=statistics.median(ours_rounds),
