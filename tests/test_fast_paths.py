@@ -307,6 +307,28 @@ def test_one_tangent_pushforward_differentiates_only_the_active_occurrence(prepa
     torch.testing.assert_close(got_value, want_value, **TOL)
 
 
+class LoggedTensor(torch.Tensor):
+    """A tensor subclass whose ``__torch_function__`` counts the calls it sees (as tracing and
+    logging subclasses do): its loss must take the public `torch.autograd.grad`."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_loss_of_a_tensor_subclass_takes_torch_autograd_grad_and_is_right():
+    model, x = mlp(), data(5, 4).as_subclass(LoggedTensor)
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    for _ in range(2):
+        LoggedTensor.calls = 0
+        got = prepared(model, x)
+        assert LoggedTensor.calls > 0
+        assert_dicts_close(got, raw_gradient(model, x.as_subclass(torch.Tensor)))
+
+
 def test_unprepared_calls_of_one_signature_each_get_their_own_models_gradient():
     x = data(5, 4)
     first, second = mlp(seed=0), mlp(seed=1)
