@@ -415,3 +415,31 @@ def test_a_hooked_block_forward_in_gpt2_is_followed():
     block.forward = functools.update_wrapper(functools.partial(new_forward, block), block._old_forward)
     batch = lm_batch(61)
     assert_gradients_equal(ad.gradient(loss, Active(model), Constant(batch)), reference_gradient(model, batch))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "t5"])
+def test_a_prepared_gradient_follows_a_training_loop(name):
+    """A prepared gradient keeps its view of the model between calls: over optimizer steps
+    (in place), a parameter given new storage, train/eval switches (dropout) and new batches,
+    each call gives `torch.autograd.grad` of the model as it is then (a twin copied at that step)."""
+    model = build(name, seed=5)
+    batch = SPECS[name].batch(70)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(batch))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        batch = SPECS[name].batch(71 + step)
+        model.train(step == 2)  # dropout on in one step: both sides draw the same masks from one seed
+        twin = copy.deepcopy(model)
+        with torch.random.fork_rng():
+            torch.manual_seed(step)
+            want = reference_gradient(twin, batch)
+            torch.manual_seed(step)
+            got = prepared(model, batch)
+        assert_gradients_equal(got, want)
+        for p, g in zip((p for _, p in trainable(model)), (got[n] for n, _ in trainable(model))):
+            p.grad = g.clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 1:
+            first = trainable(model)[0][1]
+            first.data = first.data * 1.5  # new storage, as some training code does

@@ -531,6 +531,25 @@ def test_prepared_jacobians_check_torchs_batching_once_and_stay_right():
         torch.testing.assert_close(right(v, a), tape_jacobian(lambda v: g(v, a), v))
 
 
+def test_a_prepared_jacobian_whose_branch_changes_with_the_data_checks_the_new_branch():
+    """The first call runs operations torch batches right; a later one, on other data, runs
+    cdist (a wrong batching rule): the verdict kept from the first call must not cover it."""
+    y = randn(1, 6, seed=4, dtype=torch.float64)
+
+    def f(x, y):
+        if float(x.sum()) > 0:
+            return torch.tanh(x @ y.T)
+        return torch.cdist(x, y)
+
+    positive = randn(2, 6, seed=3, dtype=torch.float64).abs()
+    jacobian = ad.prepare(ad.jacobian, f, Active(positive), Constant(y))
+    torch.testing.assert_close(jacobian(positive, y), tape_jacobian(lambda x: f(x, y), positive))
+    negative = -positive
+    with pytest.warns(RuntimeWarning, match="disagreed"):
+        got = jacobian(negative, y)
+    torch.testing.assert_close(got, tape_jacobian(lambda x: f(x, y), negative))
+
+
 def test_cdist_jacobians_under_an_outer_vmap_are_right():
     # Inside torch.func the tape is unavailable and torch's batching rule for _cdist_backward
     # is wrong; the linearity probe must catch it.

@@ -271,7 +271,7 @@ class AutoTorch(Backend):
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
                 return one(cts)
-            return _batched(one, cts, self, getattr(F, "problem", None))
+            return _batched(one, cts, self, getattr(F, "problem", None), tuple(outputs))
 
         return tuple(y.detach() for y in ys), aux, pull
 
@@ -406,38 +406,58 @@ def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None) -> 
 
 @attrs.define
 class _BatchingVerdict:
-    """What `_agrees_with_one` found for a prepared operator's batched backward passes: checked
-    on its first call, then taken as found (the same f runs the same operations call after
-    call); ``agrees`` False: one cotangent at a time from then on."""
+    """What `_agrees_with_one` found for a prepared operator's batched backward passes, by the
+    set of backward operations they run (batching rules are per operation): a call whose graph
+    holds the same operations as a checked one takes that verdict, any other is checked. False:
+    one cotangent at a time for those operations."""
 
     problem: Any  # the prepared operator's problem: a nested call inside f has its own
-    agrees: bool | None = None
+    agrees: dict[frozenset[type], bool] = attrs.field(factory=dict)
+
+
+def _graph_operations(outputs: Flat) -> frozenset[type]:
+    """The types of the backward nodes the graph of ``outputs`` holds (one walk, each node once)."""
+    seen: set[int] = set()
+    types: set[type] = set()
+    stack = [y.grad_fn for y in outputs if y.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        types.add(type(node))
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return frozenset(types)
 
 
 # The verdict of the prepared call running in this context (`_checked_pipeline`); None: unprepared.
 _VERDICT: contextvars.ContextVar[_BatchingVerdict | None] = contextvars.ContextVar("activity_torch_batching", default=None)
 
 
-def _batched(one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch, problem: Any = None) -> Flat:
+def _batched(
+    one: Callable[[Flat], Flat], cts: Flat, backend: AutoTorch, problem: Any = None, outputs: Flat = ()
+) -> Flat:
     """``one`` over a batch of cotangents: `vmap` over the tape's backward pass (much faster
-    than ``is_grads_batched``, which runs torch's older vmap), checked by `_agrees_with_one`
-    (once per prepared operator); one cotangent at a time where torch cannot batch it or
-    batches it wrong."""
+    than ``is_grads_batched``, which runs torch's older vmap) of ``outputs``, checked by
+    `_agrees_with_one` (a prepared operator checks each set of operations once); one
+    cotangent at a time where torch cannot batch it or batches it wrong."""
     verdict = _VERDICT.get()
-    if verdict is not None and (problem is None or verdict.problem is not problem):
-        verdict = None
-    if backend.vectorize is not False and not (verdict is not None and verdict.agrees is False and not backend.vectorize):
+    operations = None
+    if verdict is not None and problem is not None and verdict.problem is problem and outputs:
+        operations = _graph_operations(outputs)
+    known = None if operations is None else verdict.agrees.get(operations)  # type: ignore[union-attr]
+    if backend.vectorize is not False and not (known is False and not backend.vectorize):
         try:
             batch: Flat = _torch().func.vmap(one, randomness=backend.randomness)(cts)
         except (RuntimeError, NotImplementedError) as error:
             if backend.vectorize or not _is_transform_limit(error):
                 raise
         else:
-            if backend.vectorize or (verdict is not None and verdict.agrees):
+            if backend.vectorize or known:
                 return batch
             agrees = _agrees_with_one(batch, cts, one)
-            if verdict is not None:
-                verdict.agrees = agrees
+            if operations is not None:
+                verdict.agrees[operations] = agrees  # type: ignore[union-attr]
             return batch if agrees else _loop(one, cts)
     return _loop(one, cts)
 
@@ -629,12 +649,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     torch = _torch()
     leaves = tuple(map(_tape_leaf, xs))
     ys, aux = F(leaves)
-    if not ys[0].requires_grad:
-        raise _disconnected(getattr(F, "op_name", None))
-    grads = _zeros_for_unused(torch.autograd.grad(ys[0], leaves, create_graph=True, allow_unused=True), xs, getattr(F, "op_name", None))
-    live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative, or a cut graph
-    if backend.hvp_mode == "auto" and len(live) < len(grads) and any(arrays.size(xs[i]) for i in range(len(grads)) if i not in live):
-        raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
+    grads, live = _gradient_with_graph(ys[0], leaves, xs, getattr(F, "op_name", None), backend.hvp_mode != "auto")
 
     def one(tangent: Flat) -> Flat:
         hvps = (None,) * len(xs)
@@ -644,7 +659,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
             )
         return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
 
-    hvps = _batched(one, ts, backend, getattr(F, "problem", None)) if batched else one(ts)
+    hvps = _batched(one, ts, backend, getattr(F, "problem", None), tuple(grads[i] for i in live)) if batched else one(ts)
     detached = tuple(g.detach() for g in grads)
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
@@ -664,6 +679,7 @@ class _FastSplit:
         # plan, whose checks (which backend, which framework) the generic split does not repeat.
         self.fallback = problem.split if fallback else lambda values, kinds: None
         self.entries: tuple[Any, ...] | None = None
+        self.direct = False  # every entry a module or a tensor (`arguments` builds f's arguments itself)
         entries = []
         for position, (kind, roles, bare, bare_type) in enumerate(
             zip(problem.kinds, problem.roles, problem.bare, problem.bare_types)
@@ -708,18 +724,14 @@ class _FastSplit:
                         return self.fallback(values, problem.kinds)
                     (xs if leaf_role == "diff" else ctx).append(leaf)
                 continue
-            if type(value) is not bare_type:
+            checked = _checked_bare(position, role, bare_type, meta, value, described)
+            if checked is None:
                 return self.fallback(values, problem.kinds)
             if role == "module":
-                description = described[(position, 0)]
-                if not description.still_describes(value):
-                    return self.fallback(values, problem.kinds)
                 if active:
-                    xs += description.params
-                ctx.append(description)
+                    xs += checked.params
+                ctx.append(checked)
                 continue
-            if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
-                return self.fallback(values, problem.kinds)
             (xs if role == "diff" else ctx).append(value)
         return tuple(xs), tuple(ctx)
 
@@ -732,23 +744,21 @@ class _FastSplit:
         An Active module gets a reused view whose leaves alias its parameters (made once, not
         per call); a tensor gets a fresh leaf. Pytrees take `Problem.rebuild`.
         """
-        if self.entries is None or not self.direct:
+        if not self.direct:
             return self._rebuilt(values)
         problem = self.problem
         described = problem._described
-        tensor_type = _torch().Tensor
         args: list[Any] = []
         leaves: list[Any] = []
         xs: list[Any] = []
         leases: list[Any] = []
-        for position, role, active, bare_type, meta in self.entries:
+        for position, role, active, bare_type, meta in self.entries or ():
             value = values[position]
-            if type(value) is not bare_type:
+            checked = _checked_bare(position, role, bare_type, meta, value, described)
+            if checked is None:
                 return self._rebuilt(values, leases)
             if role == "module":
-                description = described[(position, 0)]
-                if not description.still_describes(value):
-                    return self._rebuilt(values, leases)
+                description = checked
                 if not active:
                     args.append(problem.backend.bind_module(description, None))
                     continue
@@ -763,8 +773,6 @@ class _FastSplit:
                 leaves += own
                 xs += description.params
                 continue
-            if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
-                return self._rebuilt(values, leases)
             if role == "diff":
                 leaf = _tape_leaf(value)
                 leaves.append(leaf)
@@ -777,7 +785,8 @@ class _FastSplit:
     def _rebuilt(self, values: tuple[Any, ...], leases: list[Any] | None = None) -> tuple[list[Any], Flat, Flat, list[Any]] | None:
         if leases:
             _release(leases)
-        split = self(values) if self.entries is not None and not self.direct else self.fallback(values, self.problem.kinds)
+        # a difference found by `arguments` goes to the generic split; pytrees take `__call__`'s checks
+        split = self.fallback(values, self.problem.kinds) if self.direct else self(values)
         if split is None:
             return None
         xs, ctx = split
@@ -785,14 +794,34 @@ class _FastSplit:
         return self.problem.rebuild(leaves, tuple(map(_plain, ctx))), leaves, xs, []
 
 
+def _checked_bare(position: int, role: str, bare_type: Any, meta: Any, value: Any, described: dict[Any, Any]) -> Any:
+    """One module or tensor argument against the prepared signature: the module's description
+    (`still_describes` it), the tensor (same type, dtype, shape, device), or None where it differs."""
+    if type(value) is not bare_type:
+        return None
+    if role == "module":
+        description = described[(position, 0)]
+        return description if description.still_describes(value) else None
+    if value.dtype is not meta[2] or value.shape != meta[1] or value.device != meta[3]:
+        return None
+    return value
+
+
 def _release(leases: list[Any]) -> None:
     for description, lease in leases:
         release_view(description, lease)
 
 
-def _usable(torch: Any) -> bool:
+@functools.cache
+def _modes() -> tuple[Callable[[], bool], Callable[[], bool], Callable[[], Any]]:
+    torch = _torch()
+    return torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._functorch.maybe_current_level
+
+
+def _usable() -> bool:
     """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform."""
-    return torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and torch._C._functorch.maybe_current_level() is None
+    grad_enabled, inference_mode, functorch_level = _modes()
+    return grad_enabled() and not inference_mode() and functorch_level() is None
 
 
 def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
@@ -814,13 +843,9 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     lone_module = _lone_module(problem)
     tensor_type = torch.Tensor
     engine, ones_like, call = _engine(), torch.ones_like, problem.call
-    grad_enabled, inference_mode, functorch_level = (
-        torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._functorch.maybe_current_level
-    )
 
     def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
-        usable = grad_enabled() and not inference_mode() and functorch_level() is None  # `_usable`
-        got = None if seed_kwargs or len(values) != n_args or not usable else arguments(values)
+        got = None if seed_kwargs or len(values) != n_args or not _usable() else arguments(values)
         if got is None:
             raise SignatureChanged
         args, leaves, xs, leases = got
@@ -828,17 +853,11 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
         out: Any = None
         try:
             out = call(f, args)
-            if type(out) is tensor_type and out.dim() == 0 and out.dtype.is_floating_point and engine is not None:
-                y, spec = out, None
-                if not y.requires_grad:
-                    raise _disconnected(op_name)
-                # `_tape_grads`, inlined: the usual scalar loss, a plain tensor, to the engine
+            y, spec = _scalar_output(problem, out, tensor_type)
+            if type(y) is tensor_type and engine is not None and y.requires_grad:
+                # `_tape_grads` inlined for the usual scalar loss (a plain tensor): about 1 us a call
                 grads = _zeros_for_unused(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), xs, op_name)
             else:
-                if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
-                    y, spec = out, None
-                else:  # a float, or a one-leaf pytree: checked like any output (the error names the problem)
-                    (y,), spec = problem.output_leaves(out, scalar=True)
                 grads = _tape_grads(y, leaves, xs, op_name)
         finally:
             if leases:
@@ -853,6 +872,29 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
 
     gradient.split = split_checked  # type: ignore[attr-defined]
     return gradient
+
+
+def _scalar_output(problem: Any, out: Any, tensor_type: Any) -> tuple[Any, Any]:
+    """f's scalar output and its structure (None: a bare tensor). A float, or a one-leaf pytree,
+    is checked like any output (the error names the problem)."""
+    if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
+        return out, None
+    (y,), spec = problem.output_leaves(out, scalar=True)
+    return y, spec
+
+
+def _gradient_with_graph(y: Any, leaves: Flat, xs: Flat, op_name: str | None, cut_is_zero: bool) -> tuple[Flat, list[int]]:
+    """The first pass of reverse over reverse: the gradients of the scalar ``y``, recording their
+    own graph, and the leaves whose gradient has one. A gradient without a graph is a zero
+    derivative only where ``cut_is_zero`` (``hvp_mode="reverse-over-reverse"``): else it raises
+    `_CutGradient`, for forward over reverse to decide."""
+    if not y.requires_grad:
+        raise _disconnected(op_name)
+    grads = _zeros_for_unused(_backward((y,), (_torch().ones_like(y),), leaves, create_graph=True), xs, op_name)
+    live = [i for i, g in enumerate(grads) if g.requires_grad]
+    if not cut_is_zero and len(live) < len(grads) and any(arrays.size(xs[i]) for i in range(len(xs)) if i not in live):
+        raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
+    return grads, live
 
 
 def _lone_module(problem: Any) -> tuple[int, int] | None:
@@ -877,15 +919,12 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
     lone_module = _lone_module(problem)
     one_tensor = seed_key == (None, LEAF)  # prepared with one tensor cotangent
     engine = _engine()
-    grad_enabled, inference_mode, functorch_level = (
-        torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._functorch.maybe_current_level
-    )
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
     def pullback(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
-        if len(values) != n_args or not (grad_enabled() and not inference_mode() and functorch_level() is None):
-            raise SignatureChanged  # (the second test is `_usable`)
+        if len(values) != n_args or not _usable():
+            raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
         if one_tensor and len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
             cts_given: Flat = (cotangent,)  # what `encode_seeds` makes of one tensor, without a walk
@@ -1042,13 +1081,12 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
     tangent_seeds = _tangent_checker(problem, operator)
     lone_module = _lone_module(problem)
     fallback = _checked_pipeline(plan) if backend.hvp_mode == "auto" else None
-    # Explicit reverse-over-reverse: a leaf whose gradient has no graph has a zero derivative.
-    trusted = fallback is None
+    cut_is_zero = fallback is None  # explicit reverse-over-reverse (see `_gradient_with_graph`)
     forward_over_reverse: list[Callable[..., Any]] = []  # where the tape's gradients came back cut
     from .._operators._common import encode_seeds  # the operators import the backends
 
     def hvp(*values: Any, **seed_kwargs: Any) -> Any:
-        if len(values) != n_args or not _usable(torch):
+        if len(values) != n_args or not _usable():
             raise SignatureChanged
         if forward_over_reverse:
             return forward_over_reverse[0](*values, **seed_kwargs)
@@ -1068,16 +1106,7 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
         state = _rng_state() if fallback is not None else None
         try:
             out = problem.call(f, args)
-            if isinstance(out, tensor_type) and out.dim() == 0 and out.dtype.is_floating_point:
-                y = out
-            else:
-                (y,), _ = problem.output_leaves(out, scalar=True)
-            if not y.requires_grad:
-                raise _disconnected(op_name)
-            grads = _zeros_for_unused(_backward((y,), (torch.ones_like(y),), leaves, create_graph=True), xs, op_name)
-            live = [i for i, g in enumerate(grads) if g.requires_grad]  # the rest have a zero derivative, or a cut graph
-            if len(live) < len(grads) and not trusted and any(arrays.size(xs[i]) for i in range(len(xs)) if i not in live):
-                raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
+            grads, live = _gradient_with_graph(_scalar_output(problem, out, tensor_type)[0], leaves, xs, op_name, cut_is_zero)
             hvps: Flat = (None,) * len(xs)
             if live:
                 ts = tuple(backend.as_tangent(seeds.leaves[i], grads[i].dtype) for i in live)

@@ -378,7 +378,8 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
 
 def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None) -> list[Any]:
     """One view per step of ``plan`` over ``tensors``; ``copies`` collects, for each copied
-    submodule, what `ReusedView.refresh` needs to re-point it."""
+    submodule, what `ReusedView.refresh` needs to re-point it: (weakref to the original, the
+    view's ``__dict__``, the view's own slots)."""
     views: list[Any] = []
     for step in plan.steps:
         if not isinstance(step, _Copy):
@@ -399,7 +400,7 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
         views.append(new)
         if copies is not None:
             own = (*_SLOTS, "_flat_weights", "_flat_weight_refs") if step.rnn else _SLOTS
-            copies.append((original.__dict__, state, {key: state[key] for key in own if key in state}))
+            copies.append((step.original_ref, state, {key: state[key] for key in own if key in state}))
     if plan.redirects:  # after every view exists: a method may refer to a parent
         _redirect_all(plan, views)
     return views
@@ -425,11 +426,11 @@ class ReusedView:
     Building a view and fresh leaves costs more than the forward and backward passes of a
     small model; re-pointing is two dict updates per copied submodule. A lease
     (`lease_view`) copies each original submodule's ``__dict__`` again (flags such as
-    ``training``, attributes), puts the view's own slots back, converts the buffers afresh
-    (f may update them in place) and redirects methods again; its release (`release_view`)
-    empties the view down to its own slots, so that an idle view refers to nothing of the
-    user's module but the parameters' storage. Only for descriptions `still_describes`
-    has just checked.
+    ``training``, attributes), puts the view's own slots back, overwrites its buffer copies
+    with the originals (f may update them in place) and redirects methods again; its release
+    (`release_view`) empties the view down to its own slots, so that an idle view refers to
+    nothing of the user's module but the parameters' storage. Only for descriptions
+    `still_describes` has just checked.
     """
 
     def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any]) -> None:
@@ -437,20 +438,18 @@ class ReusedView:
         self.params = tuple(module.params)
         self.leaves = tuple(p.detach().requires_grad_() for p in module.params)
         self.pointers = tuple(map(_DATA_PTR, module.params))
-        self.convert = convert
-        copies: list[Any] = []
-        n = len(self.leaves)
-        # The view's own copy of each buffer (a frozen parameter is used as it is), kept between
-        # calls and overwritten with the original on each (`refresh`).
+        # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
         self.held = [convert(t) for t in plan.sources]
         self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t)
-        self.overwrite = not any(plan.sources[i].requires_grad for i in self.kept)  # else converted afresh
+        # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
+        self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
+        copies: list[Any] = []
         self.views = _views(plan, [*self.leaves, *self.held], copies)
         self.root = self.views[plan.root]
+        self.copies = tuple(copies)
         copied_steps = [step for step in plan.steps if isinstance(step, _Copy)]
-        # (weakref to the original, the view's __dict__, the view's own slots)
-        self.copies = tuple((step.original_ref, state, own) for step, (_, state, own) in zip(copied_steps, copies))
-        # Where each converted tensor goes: (slots dict, key, index into plan.sources).
+        # Where each held tensor goes: (slots dict, key, index into plan.sources).
+        n = len(self.leaves)
         self.refills = tuple(
             (slots, key, i - n)
             for step, (_, _, own) in zip(copied_steps, copies)
@@ -471,28 +470,28 @@ class ReusedView:
         for original_ref, state, own in self.copies:
             state.update(original_ref().__dict__)
             state.update(own)
-        if self.refills:
-            if self.overwrite:
-                # Every call: f may have changed a copy (BatchNorm statistics), and kernels that
-                # update them do not all move the version counter, so nothing tells whether it did.
-                sources, held = self.plan.sources, self.held
-                for i in self.kept:
-                    held[i].copy_(sources[i])
-            else:
-                self.held = list(map(self.convert, self.plan.sources))
-            for slots, key, index in self.refills:
-                slots[key] = self.held[index]  # f may have assigned another tensor to the slot
+        # Every call: f may have changed a copy (BatchNorm statistics), and kernels that update
+        # them do not all move the version counter, so nothing tells whether it did.
+        sources, held = self.plan.sources, self.held
+        for i in self.kept:
+            held[i].copy_(sources[i])
+        for slots, key, index in self.refills:
+            slots[key] = held[index]  # f may have assigned another tensor to the slot
         if self.plan.redirects:
             _redirect_all(self.plan, self.views)
 
     def empty(self) -> bool:
-        """Reduce an idle view to its own slots; False (nothing changed) where f kept a module of it."""
-        if self._references() != self.references:
+        """Reduce an idle view to its own slots; False (nothing changed) where it cannot serve
+        again: f kept a module or buffer of it, or its buffer copies cannot be overwritten."""
+        if not self.reusable or self._references() != self.references:
             return False
         for _, state, own in self.copies:
             state.clear()
             state.update(own)
         return True
+
+
+_IDLE_VIEWS = 4  # per description: enough for a few threads or nested calls at once
 
 
 def lease_view(module: ModuleDescription, convert: Callable[[Any], Any]) -> ReusedView:
@@ -511,7 +510,7 @@ def lease_view(module: ModuleDescription, convert: Callable[[Any], Any]) -> Reus
 
 
 def release_view(module: ModuleDescription, view: ReusedView) -> None:
-    if len(module.reused) < 4 and view.empty():
+    if len(module.reused) < _IDLE_VIEWS and view.empty():
         module.reused.append(view)
 
 
