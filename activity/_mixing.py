@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
@@ -309,7 +310,7 @@ class _Mixed:
         return f"activity.differentiate_with({self.name}, {self.backend!r})"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        parsed = _parse(args, kwargs, self.name)
+        parsed = _parse(args, kwargs, self)
         outer = _outer_framework(parsed, self)
         if outer == "jax":
             from . import _mixing_jax
@@ -327,11 +328,25 @@ class _Mixed:
                 self._signatures.move_to_end(key)
                 return found
         made = make()
+        self._warn_of_stale_statics(parsed)
         with self._lock:
             self._signatures[key] = made
             while len(self._signatures) > MAX_SIGNATURES:
                 self._signatures.popitem(last=False)
         return made
+
+    def _warn_of_stale_statics(self, parsed: "_Parsed") -> None:
+        """Warn, once per signature, of each non-array argument leaf whose later changes the
+        inner operator, compiled once for it by AutoJAX, would not see (`prepare`'s warning):
+        ``g``'s value would follow them, its derivatives not."""
+        if _framework_of(self.backend) != "jax":
+            return
+        from .backends._jax import _stale_reason  # imports JAX: only where the inner backend is JAX
+
+        for leaf in parsed.static:
+            reason = _stale_reason(leaf)
+            if reason is not None:
+                warnings.warn(f"{self!r}: a non-array argument of g is {reason}", stacklevel=4)
 
     def noted(self, error: BaseException) -> BaseException:
         if not getattr(error, "_activity_mixing_noted", False):
@@ -410,7 +425,13 @@ def _role(kind: str, leaf: Any) -> str:
     if not arrays.is_array(leaf) or arrays.is_torch_module(leaf):
         return "static"
     if kind == "active":
-        return "diff" if arrays.dtype_kind(leaf) == "f" else "data"
+        dtype_kind = arrays.dtype_kind(leaf)
+        if dtype_kind == "c":  # as `Problem` refuses it: a complex leaf would get a zero derivative
+            raise UnsupportedError(
+                "activity.differentiate_with: an Active argument of g holds a complex array; complex "
+                "differentiation is not supported. Split it into real and imaginary parts."
+            )
+        return "diff" if dtype_kind == "f" else "data"
     return "data" if kind == "constant" else "cache"
 
 
@@ -422,13 +443,22 @@ def _static_key(leaf: Any) -> Any:
     return (type(leaf), leaf) if isinstance(leaf, (int, float, str, bool, type(None))) else ("id", id(leaf))
 
 
-def _parse(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> _Parsed:
+def _parse(args: tuple[Any, ...], kwargs: dict[str, Any], mixed: Any) -> _Parsed:
     entries: list[tuple[str | int, str, Any]] = []
     located: list[tuple[str | int, Any]] = [*enumerate(args), *kwargs.items()]
     for where, value in located:
         if isinstance(value, Annotation):
-            kind = type(value).__name__.lower()
-            entries.append((where, kind, value.value))
+            if value.kind not in ("active", "constant", "cache"):
+                raise TypeError(
+                    f"{mixed!r}: argument {where!r} is a bare Annotation; annotate it Active(x), Constant(x) or Cache(x)."
+                )
+            if isinstance(value, Active) and value.where is not None:
+                raise UnsupportedError(
+                    f"{mixed!r}: argument {where!r} is Active(x, where=...), which differentiate_with does not "
+                    f"take (it would differentiate every leaf). Pass the selected part as its own Active "
+                    f"argument and the rest as Constant."
+                )
+            entries.append((where, value.kind, value.value))
         else:
             entries.append((where, "active", value))
     return _Parsed(entries)
@@ -486,6 +516,11 @@ class _Signature:
                     f"{self.mixed!r}: g returned a {type(leaf).__name__} leaf; g's output (and aux) must be "
                     f"arrays, numbers or pytrees of them, so they can cross to the caller's framework."
                 )
+        if any(arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "c" for leaf in out_leaves):
+            raise UnsupportedError(
+                f"{self.mixed!r}: g returned a complex array; complex differentiation is not supported "
+                f"(its derivative would be taken as zero). Return real and imaginary parts as separate arrays."
+            )
         self.out_avals = tuple(_aval(leaf) for leaf in out_leaves)
         self.aux_avals = tuple(_aval(leaf) for leaf in aux_leaves)
         self.out_float = tuple(arrays.is_floating_dtype(dtype) for _, dtype in self.out_avals)

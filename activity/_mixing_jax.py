@@ -61,11 +61,9 @@ def _probe(signature: _Signature, diff: tuple[Any, ...], data: tuple[Any, ...], 
 
     mixed = signature.mixed
     with jax.ensure_compile_time_eval():  # concrete zeros, not values traced into the caller's program
-        zeros = [
-            tuple(_to_inner(jax.numpy.zeros(leaf.shape, leaf.dtype), mixed.inner) for leaf in group)
-            for group in (diff, data, cache)
-        ]
-    signature.learn(signature.run(*zeros))
+        zeros = [jax.numpy.zeros(leaf.shape, leaf.dtype) for group in (diff, data, cache) for leaf in group]
+    # as every call's arguments: converted, and the Caches copies g may write into
+    signature.learn(signature.run(*_regroup(zeros, (len(diff), len(data), len(cache)), mixed.inner)))
 
 
 def _jax_avals(avals: Sequence[tuple[tuple[int, ...], str]]) -> list[tuple[tuple[int, ...], str]]:

@@ -480,3 +480,51 @@ def test_an_output_shape_that_changes_with_the_values_is_an_error():
     h = ad.differentiate_with(g, FD)
     with pytest.raises(Exception, match=r"shape \(1,\) where its first call gave \(3,\)"):
         jax.block_until_ready(jax.jit(h)(jnp.ones(2)))
+
+
+# ---------------------------------------------------------------- what must not give zeros or stale numbers
+
+
+def test_complex_arrays_are_refused_rather_than_given_a_zero_derivative():
+    doubled = ad.differentiate_with(lambda z: z * 2, ad.AutoTorch())
+    with pytest.raises(UnsupportedError, match="complex"):
+        jax.grad(lambda z: jnp.real(doubled(z)).sum())(jnp.ones(2, dtype=jnp.complex64))
+    to_complex = ad.differentiate_with(lambda x: torch.complex(x, x), ad.AutoTorch())
+    with pytest.raises(UnsupportedError, match="complex"):
+        jax.grad(lambda x: jnp.real(to_complex(x)).sum())(jnp.ones(2))
+
+
+def test_a_mask_is_refused_rather_than_ignored():
+    h = ad.differentiate_with(lambda p: (p["w"] * p["b"]).sum(), ad.AutoTorch())
+    p = {"w": jnp.ones(2), "b": jnp.full(2, 3.0)}
+    with pytest.raises(UnsupportedError, match="where="):
+        jax.grad(lambda p: h(Active(p, where={"w": True, "b": False})))(p)
+    # the way it says: the selected part as its own Active argument, the rest Constant
+    split = ad.differentiate_with(lambda w, b: (w * b).sum(), ad.AutoTorch())
+    np.testing.assert_allclose(jax.grad(lambda w: split(w, Constant(p["b"])))(p["w"]), p["b"])
+
+
+def test_a_mutable_non_array_argument_a_jax_g_reads_is_warned_of():
+    """AutoJAX compiles the inner operator once per signature: a change inside an object g
+    reads would reach g's value but not its derivatives, so it is warned of at that signature."""
+
+    class Scale:
+        def __init__(self, values):
+            self.values = values
+
+    h = ad.differentiate_with(lambda x, scale: jnp.sum(x * jnp.asarray(scale.values)), ad.AutoJAX())
+    x = torch.ones(2, requires_grad=True)
+    with pytest.warns(UserWarning, match="can change in place"):
+        h(x, Constant(Scale([2.0, 3.0]))).backward()
+    torch.testing.assert_close(x.grad, torch.tensor([2.0, 3.0]))
+
+
+def test_a_numpy_g_writing_into_its_cache_works_when_first_called_under_jit():
+    def g(x, scratch):
+        scratch[:] = x * 3.0  # writes into the Cache, then reads it back
+        return np.sum(scratch**2)
+
+    h = ad.differentiate_with(g, ad.AutoFiniteDifferences())
+    x = jnp.array([1.0, -2.0])
+    got = jax.jit(jax.grad(lambda v: h(v, Cache(jnp.zeros(2)))))(x)
+    np.testing.assert_allclose(got, 18.0 * np.asarray(x), rtol=1e-4)
