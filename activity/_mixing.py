@@ -33,7 +33,9 @@ MAX_ORDER = 2
 """The highest order of derivative `differentiate_with` provides (a Hessian through ``h``)."""
 
 MAX_SIGNATURES = 32
-"""How many argument signatures one ``h`` keeps prepared operators for (least recently used dropped)."""
+"""How many argument signatures one ``h`` keeps (the least recently used dropped), and how many
+prepared inner operators each of its derivative nodes keeps (the oldest dropped: the lookup on
+every call takes no lock, so it does not reorder)."""
 
 _KINDS = ("active", "constant", "cache")
 _WRAPPERS: dict[str, type[Annotation[Any]]] = {"active": Active, "constant": Constant, "cache": Cache}
