@@ -914,3 +914,46 @@ def test_hvp_of_a_function_linear_in_one_parameter_is_right_on_every_call(prepar
         got = call(model, x, tangent=tangent) if prepared else ad.hvp(f, Active(model), Constant(x), tangent=tangent)
         for name in want:
             torch.testing.assert_close(got[name], want[name])
+
+
+def _reparametrised_and_compiled():
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        orthogonal = nn.Linear(4, 4)
+        torch.nn.utils.parametrizations.orthogonal(orthogonal)
+        spectral = torch.nn.utils.spectral_norm(nn.Linear(4, 4))
+        rnn = nn.GRU(4, 4, num_layers=2, bidirectional=True)
+        compiled = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), backend="eager")
+        bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    take_output = lambda m, x: m(x)[0].pow(2).mean()  # noqa: E731
+    return {
+        "orthogonal parametrization": (nn.Sequential(orthogonal, nn.Tanh(), nn.Linear(4, 1)), squared),
+        "spectral_norm (its power iteration updates buffers in train mode)": (spectral, squared),
+        "GRU, 2 layers, bidirectional": (rnn, take_output),
+        "torch.compile": (compiled, squared),
+        "BatchNorm": (bn, squared),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_reparametrised_and_compiled()))
+def test_prepared_gradient_over_training_steps_on_library_built_modules(name):
+    """The view a prepared gradient keeps between calls, on modules torch itself rewires
+    (parametrizations, spectral_norm's hooks and buffers, RNN flat weights, torch.compile):
+    each step, after an in-place optimizer step and a train/eval switch, the gradient of a
+    twin copied at that step."""
+    import copy
+
+    model, loss = _reparametrised_and_compiled()[name]
+    x = randn(6, 4, seed=40) if "GRU" not in name else randn(5, 2, 4, seed=40)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, training in enumerate((True, False, True, False)):
+        model.train(training)
+        twin = copy.deepcopy(model)
+        want = hand_gradient(loss, twin, x)
+        got = prepared(model, x)
+        assert_dict_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name_, p) in named_trainable(model):
+            p.grad = got[name_].clone()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
