@@ -231,7 +231,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
     """Leaves and structure of ``tree``; ``None`` is an empty node, not a leaf. With
     ``is_leaf``, a node it answers True for is a leaf, not flattened further."""
     while True:
-        leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)  # type: ignore[arg-type]
+        leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
         learned = False
         for leaf in leaves:
             if type(leaf) not in _node_types and not (is_leaf is not None and is_leaf(leaf)):
