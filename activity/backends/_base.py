@@ -221,7 +221,15 @@ class SignatureChanged(Exception):
 
 @attrs.frozen
 class CompiledCall:
-    """A prepared call specialised by a backend, and the exceptions by which it declines one."""
+    """A prepared call specialised by a backend, and the exceptions by which it declines one.
+
+    With ``result_keys``, the call returns the values of the result, a dict with those keys,
+    in their order (the prepared object builds the dict, saving a frame per call)."""
 
     call: Callable[..., Any]
     misses: tuple[type[BaseException], ...] = (SignatureChanged,)
+    result_keys: tuple[Any, ...] | None = None
+
+    def __call__(self, *values: Any, **seed_kwargs: Any) -> Any:
+        out = self.call(*values, **seed_kwargs)
+        return out if self.result_keys is None else dict(zip(self.result_keys, out))
