@@ -115,8 +115,8 @@ class Prepared(Generic[R]):
                 except Exception as error:
                     drop_jax_note(error)
                     raise
-                keys = self._direct_keys
-                return out if keys is None else dict(zip(keys, out))  # type: ignore[return-value]
+                rebuild = self._direct_rebuild
+                return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
         return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
 
     def _call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
@@ -156,7 +156,7 @@ class Prepared(Generic[R]):
         direct = compiled_call is not None and self._strict and not self._keywords
         self._direct = compiled_call.call if direct else None
         self._direct_misses = compiled_call.misses if direct else ()
-        self._direct_keys = compiled_call.result_keys if direct else None
+        self._direct_rebuild = compiled_call.rebuild if direct else None
 
     def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments followed by the prepared keyword arguments for f, taken out

@@ -223,13 +223,13 @@ class SignatureChanged(Exception):
 class CompiledCall:
     """A prepared call specialised by a backend, and the exceptions by which it declines one.
 
-    With ``result_keys``, the call returns the values of the result, a dict with those keys,
-    in their order (the prepared object builds the dict, saving a frame per call)."""
+    With ``rebuild``, the call returns the result's leaves, and ``rebuild(leaves)`` is the
+    result (the prepared object calls it, saving a frame per call)."""
 
     call: Callable[..., Any]
     misses: tuple[type[BaseException], ...] = (SignatureChanged,)
-    result_keys: tuple[Any, ...] | None = None
+    rebuild: Callable[[Any], Any] | None = None
 
     def __call__(self, *values: Any, **seed_kwargs: Any) -> Any:
         out = self.call(*values, **seed_kwargs)
-        return out if self.result_keys is None else dict(zip(self.result_keys, out))
+        return out if self.rebuild is None else self.rebuild(out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import sys
 import threading
@@ -138,8 +139,8 @@ class AutoJAX(Backend):
         if sealed is None:
             return None
         jitted, output = sealed
-        if "keys" in output and output["keys"] is not None:  # a flat dict, whose arrays leave as a tuple
-            return CompiledCall(jitted, _MISSES, output["keys"])
+        if output.get("structure") is not None:  # the result's arrays leave as a tuple
+            return CompiledCall(jitted, _MISSES, functools.partial(optree.tree_unflatten, output["structure"]))
         if retrace is None and not output["rebuilt"]:  # one signature, whose result JAX returns as built
             return CompiledCall(jitted, _MISSES)
 
@@ -287,9 +288,9 @@ def _with_static_output(function: Callable[..., Any], output: dict[str, Any], fi
     result needed this.
 
     With ``fixed_structure`` (every trace is for the prepared signature, so f's result has
-    one structure), a flat dict of arrays leaves as the tuple of its arrays, which JAX
-    rebuilds in C++: ``output["keys"]`` holds its keys, and a trace whose result has other
-    keys raises SignatureChanged.
+    one structure), a result of arrays leaves as the tuple of its arrays, which JAX builds
+    in C++, and ``output["structure"]`` holds activity's structure of it, which rebuilds it;
+    a trace whose result has another structure raises SignatureChanged.
     """
     _register_output()
 
@@ -297,18 +298,19 @@ def _with_static_output(function: Callable[..., Any], output: dict[str, Any], fi
         out = function(*args, **kwargs)
         keeps = _jax_keeps(out)
         output.setdefault("rebuilt", not keeps)
-        # A flat dict of arrays (a gradient of a dict of parameters): its arrays leave in
-        # the dict's own order, and it is rebuilt by its keys alone.
-        flat = type(out) is dict and all(map(_is_jax_array, out.values()))
         if fixed_structure:
-            keys = output.setdefault("keys", tuple(out) if flat and not keeps else None)
-            if keys is not None:
-                if not flat or tuple(out) != keys:
+            leaves, structure = flatten(out)
+            arrays = all(map(_is_jax_array, leaves))
+            known = output.setdefault("structure", structure if arrays and not keeps else None)
+            if known is not None:
+                if not arrays or structure != known:
                     raise SignatureChanged
-                return tuple(out.values())
+                return tuple(leaves)
         if keeps:
             return out
-        if flat:
+        if type(out) is dict and all(map(_is_jax_array, out.values())):
+            # A flat dict of arrays (a gradient of a dict of parameters): its arrays leave in
+            # the dict's own order, and it is rebuilt by its keys alone.
             return _Output(_Static(None, tuple(out)), list(out.values()))
         dynamic, static = partition(out)
         return _Output(_Static(static), dynamic)
