@@ -106,6 +106,11 @@ class Backend:
         """Entered around every call (grad mode, precision)."""
         return NO_CONTEXT
 
+    def explain_error(self, error: Exception, active: str) -> str | None:
+        """What to tell the user about ``error``, raised by ``f`` on this backend, beyond its own
+        message (None: nothing); ``active`` names the Active arguments, e.g. "argument 0"."""
+        return None
+
     def random_state(self) -> Any:
         """The global random state ``f`` may draw from (None if the backend has none to keep)."""
         return None
