@@ -184,9 +184,14 @@ class AutoFiniteDifferences(Backend):
                     F.traced.out_spec, F.traced.aux_static = compiled.traced.out_spec, compiled.traced.aux_static  # type: ignore[attr-defined]
             if ys is None:
                 ys, aux = F(tuple(jax.numpy.asarray(x) for x in xs_))
+            if evaluate.low_precision is None:  # type: ignore[attr-defined]
+                evaluate.low_precision = _low_precision(ys)  # type: ignore[attr-defined]
             return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
 
         evaluate.on_host = True  # type: ignore[attr-defined]
+        evaluate.op_name = getattr(F, "op_name", None)  # type: ignore[attr-defined]
+        # f's own output dtypes, before they become float64 on the host (for `_warn_if_low_precision`)
+        evaluate.low_precision = None  # type: ignore[attr-defined]
         return evaluate
 
     # -- primitives ------------------------------------------------------------
@@ -196,7 +201,10 @@ class AutoFiniteDifferences(Backend):
             return self._loop_jvp(F, xs, ts)
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
-        _warn_if_low_precision(ys, getattr(F, "op_name", None))
+        low = _warn_if_low_precision(F, ys)
+        # Where f rounds to a lower precision, steps below about eps**(1/3) of it give differences
+        # of rounding noise (the central difference's best step): the steps stop there.
+        smallest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) ** (1 / 3) for d in low), default=0.0)
         ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
         if scale == 0.0:
@@ -222,10 +230,10 @@ class AutoFiniteDifferences(Backend):
         best: Flat | None
         best, best_error, step = None, math.inf, self.step
         for _ in range(self.retries):
-            estimate, error = self._ridders(central, step)
+            estimate, error = self._ridders(central, step, smallest)
             if best is None or error < best_error:
                 best, best_error = estimate, error
-            if math.isfinite(error) and error <= 1e-11 * _max_abs(estimate):
+            if math.isfinite(error) and error <= 1e-11 * _max_abs(estimate) or step / 10 < smallest:
                 break
             step /= 10
         if raised and not math.isfinite(best_error):
@@ -244,14 +252,17 @@ class AutoFiniteDifferences(Backend):
             columns.append(dys)
         return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
 
-    def _ridders(self, central: Callable[[float], Flat], step: float) -> tuple[Flat, float]:
-        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method): estimate and error."""
+    def _ridders(self, central: Callable[[float], Flat], step: float, smallest: float = 0.0) -> tuple[Flat, float]:
+        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method), with steps no
+        smaller than ``smallest``: estimate and error."""
         factor = self.shrink**2
         previous_row = [central(step)]
         best, best_error = previous_row[0], math.inf
         h = step
         for _ in range(1, self.max_steps):
             h /= self.shrink
+            if h < smallest:
+                break
             row = [central(h)]
             weight = factor
             for j in range(1, len(previous_row) + 1):
@@ -328,10 +339,24 @@ def _compiled_for(F: Any) -> _Compiled:
     return entry
 
 
-def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
+# The rounding unit of each floating dtype below float64, by name (numpy has no bfloat16)
+_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def _low_precision(ys: Flat) -> list[str]:
+    """The floating dtypes below float64 among ``ys``."""
+    return sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
+
+
+def _warn_if_low_precision(F: FlatFunction, ys: Flat) -> list[str]:
     """Differences of float32 values cannot give a float64 derivative: say so (the testing kit
-    reports the reference unreliable instead of blaming the backend it checks)."""
-    low = sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
+    reports the reference unreliable instead of blaming the backend it checks). A function
+    evaluated on the host returns float64 arrays: it recorded f's own dtypes. Returns them."""
+    from ._jax import caller_stacklevel  # imports no framework
+    low: list[str] | None = getattr(F, "low_precision", None)
+    if low is None:
+        low = _low_precision(ys)
+    op_name = getattr(F, "op_name", None)
     if low:
         warnings.warn(
             f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f returned {', '.join(low)} "
@@ -339,8 +364,9 @@ def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
             f"rounding error (a .float() call, a float32 parameter or constant inside f?). Keep f in float64, "
             f"or compare against an AD backend instead.",
             ReferencePrecisionWarning,
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
+    return low
 
 
 def _bits(y: Any) -> int:
