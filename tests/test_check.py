@@ -89,7 +89,7 @@ def test_a_float32_f_makes_the_reference_unreliable_not_the_backend_wrong():
     f = lambda x: (x.float() ** 3).sum()  # noqa: E731  # a .float() inside, as HF causal-LM losses do
     report = check(f, Active(x), operators=["gradient"])
     assert not report.failed
-    assert report.unreliable and "lower precision than float64" in report.unreliable[0]
+    assert report.unreliable and "lower precision than the float64 reference" in report.unreliable[0]
 
 
 def test_operators_that_do_not_apply_are_refused():

@@ -131,6 +131,45 @@ def test_the_kit_does_not_blame_a_backend_for_a_flax_layer_that_computes_in_floa
     assert not report.failed, report
 
 
+def _masked_square(w, key, p, dtype=None):
+    import jax
+    import jax.numpy as jnp
+
+    if dtype is None:
+        mask = jax.random.bernoulli(key, p, w.shape)  # a uniform draw at JAX's default dtype
+    else:
+        mask = jax.random.uniform(key, w.shape, dtype=dtype) < p
+    return jnp.sum(jnp.where(mask, w, 0.0) ** 2)
+
+
+def test_random_draws_that_float64_changes_are_reported_and_the_kit_does_not_blame_the_backend():
+    """A dropout-like mask from a key passed as Constant: under the reference's float64 mode a
+    draw at JAX's default dtype takes 64 random bits, so the mask, and the function, differ.
+    The reference says so; `check` reports it unreliable, not AutoJAX wrong. With draws of an
+    explicit dtype the masks are the same and the reference is right, without a warning."""
+    import jax
+    import jax.numpy as jnp
+
+    from activity.backends._finite_differences import ReferenceRandomnessWarning
+    from activity.testing import check
+
+    w, key = jnp.linspace(-1.0, 1.0, 16), jax.random.PRNGKey(3)
+    want = jax.grad(_masked_square)(w, key, 0.7)
+    with pytest.warns(ReferenceRandomnessWarning, match="random numbers at JAX's default dtype"):
+        got = ad.gradient(_masked_square, Active(w), Constant(key), Constant(0.7), backend=FD)
+    assert not np.allclose(np.asarray(got), np.asarray(want))  # the reference's other mask: why it warns
+    report = check(_masked_square, Active(w), Constant(key), Constant(0.7), operators=["gradient"])
+    assert not report.failed and report.unreliable and "explicit dtype" in report.unreliable[0]
+
+    def explicit(w, key):
+        return _masked_square(w, key, 0.7, jnp.float32)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferenceRandomnessWarning)
+        got = ad.gradient(explicit, Active(w), Constant(key), backend=FD)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(explicit)(w, key)), rtol=1e-6)
+
+
 def test_a_cache_is_fresh_for_every_evaluation():
     def f(x, buffer):
         buffer += x  # accumulates if the same buffer were reused between evaluations

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import math
 import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, ClassVar
@@ -63,8 +64,32 @@ def _count(name: str, least: int, why: str) -> Callable[..., Any]:
     return check
 
 
-class ReferencePrecisionWarning(RuntimeWarning):
+class ReferenceUnreliableWarning(RuntimeWarning):
+    """The float64 finite differences cannot be trusted for this ``f``; ``reason`` says why,
+    as the testing kit reports it (the reference unreliable, not the backend it checks wrong)."""
+
+    reason: ClassVar[str] = "the finite-difference reference cannot be trusted for this f"
+
+
+class ReferencePrecisionWarning(ReferenceUnreliableWarning):
     """``f`` returned floats of lower precision than the float64 finite differences evaluate in."""
+
+    reason = (
+        "f computes in lower precision than the float64 reference (a .float() call, a float32 "
+        "parameter or constant inside f), so the finite differences carry its rounding error; "
+        "keep f in float64 for the reference, or pass reference=<an AD backend>"
+    )
+
+
+class ReferenceRandomnessWarning(ReferenceUnreliableWarning):
+    """``f`` draws random numbers that JAX's float64 mode changes: the reference differentiates other draws."""
+
+    reason = (
+        "f draws random numbers at JAX's default dtype, which the reference's float64 mode makes "
+        "float64, so its draws (a dropout mask, say) differ from those the backend under test sees; "
+        "give the draws an explicit dtype (jax.random.uniform(key, shape, dtype=jnp.float32) < p "
+        "for a mask), or pass reference=<an AD backend>"
+    )
 
 
 @attrs.frozen
@@ -142,7 +167,7 @@ class AutoFiniteDifferences(Backend):
         jax = sys.modules["jax"]
         # jax.enable_x64 is the newer spelling; older jax (0.7 included) has only jax.experimental.enable_x64.
         enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else importlib.import_module("jax.experimental").enable_x64
-        return enable_x64(True)  # type: ignore[no-any-return]
+        return _float64_jax(jax, enable_x64)
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
@@ -186,12 +211,17 @@ class AutoFiniteDifferences(Backend):
                 ys, aux = F(tuple(jax.numpy.asarray(x) for x in xs_))
             if evaluate.low_precision is None:  # type: ignore[attr-defined]
                 evaluate.low_precision = _low_precision(ys)  # type: ignore[attr-defined]
+                if state["traceable"] and compiled.widened_draws is None:
+                    compiled.widened_draws = _draws_widened_random_bits(jax, compiled.jitted, xs_, F.ctx)
+                evaluate.widened_draws = bool(compiled.widened_draws)  # type: ignore[attr-defined]
             return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
 
         evaluate.on_host = True  # type: ignore[attr-defined]
         evaluate.op_name = getattr(F, "op_name", None)  # type: ignore[attr-defined]
-        # f's own output dtypes, before they become float64 on the host (for `_warn_if_low_precision`)
+        # f's own output dtypes, before they become float64 on the host, and whether the float64
+        # mode changes its random draws (for `_warn_if_unreliable`)
         evaluate.low_precision = None  # type: ignore[attr-defined]
+        evaluate.widened_draws = False  # type: ignore[attr-defined]
         return evaluate
 
     # -- primitives ------------------------------------------------------------
@@ -201,7 +231,7 @@ class AutoFiniteDifferences(Backend):
             return self._loop_jvp(F, xs, ts)
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
-        low = _warn_if_low_precision(F, ys)
+        low = _warn_if_unreliable(F, ys)
         # Where f rounds to a lower precision, steps below about eps**(1/3) of it give differences
         # of rounding noise (the central difference's best step): the steps stop there.
         smallest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) ** (1 / 3) for d in low), default=0.0)
@@ -311,9 +341,49 @@ class _Compiled:
 
     jitted: Any = None
     traced: Any = None
+    widened_draws: bool | None = None  # see `_draws_widened_random_bits`
 
 
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+_CALLER = threading.local()  # the caller's own jax_enable_x64, while the reference runs in float64
+
+
+@contextlib.contextmanager
+def _float64_jax(jax: Any, enable_x64: Callable[[bool], Any]) -> Any:
+    outermost = getattr(_CALLER, "x64", None) is None
+    if outermost:
+        _CALLER.x64 = bool(jax.config.jax_enable_x64)
+    try:
+        with enable_x64(True):
+            yield
+    finally:
+        if outermost:
+            _CALLER.x64 = None
+
+
+def _draws_widened_random_bits(jax: Any, jitted: Any, *args: Any) -> bool:
+    """Whether ``jitted(*args)``, traced in float64 mode, draws 64-bit random numbers where the
+    caller, outside that mode, would draw 32-bit ones (JAX's default-dtype draws)."""
+    if getattr(_CALLER, "x64", None) is not False:
+        return False  # the caller runs in float64 too: the same draws
+
+    def widened(jaxpr: Any) -> bool:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "random_bits" and eqn.params.get("bit_width") == 64:
+                return True
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns") and widened(inner):
+                        return True
+        return False
+
+    try:
+        return widened(jax.make_jaxpr(jitted)(*args).jaxpr)
+    except Exception:  # noqa: BLE001 - f could not be traced again: nothing to tell
+        return False
 
 
 def _compiled_for(F: Any) -> _Compiled:
@@ -348,10 +418,11 @@ def _low_precision(ys: Flat) -> list[str]:
     return sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
 
 
-def _warn_if_low_precision(F: FlatFunction, ys: Flat) -> list[str]:
+def _warn_if_unreliable(F: FlatFunction, ys: Flat) -> list[str]:
     """Differences of float32 values cannot give a float64 derivative: say so (the testing kit
     reports the reference unreliable instead of blaming the backend it checks). A function
-    evaluated on the host returns float64 arrays: it recorded f's own dtypes. Returns them."""
+    evaluated on the host returns float64 arrays: it recorded f's own dtypes. Returns them.
+    Also says so where the float64 mode changed f's random draws."""
     from ._jax import caller_stacklevel  # imports no framework
     low: list[str] | None = getattr(F, "low_precision", None)
     if low is None:
@@ -364,6 +435,15 @@ def _warn_if_low_precision(F: FlatFunction, ys: Flat) -> list[str]:
             f"rounding error (a .float() call, a float32 parameter or constant inside f?). Keep f in float64, "
             f"or compare against an AD backend instead.",
             ReferencePrecisionWarning,
+            stacklevel=caller_stacklevel(),
+        )
+    if getattr(F, "widened_draws", False):
+        warnings.warn(
+            f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f draws random numbers at "
+            f"JAX's default dtype, which the reference's float64 mode makes float64, so they differ from the "
+            f"draws f makes outside it (a dropout mask, say): the reference differentiates another function. "
+            f"Draw with an explicit dtype, or compare against an AD backend instead.",
+            ReferenceRandomnessWarning,
             stacklevel=caller_stacklevel(),
         )
     return low
@@ -396,4 +476,4 @@ def _cast(leaf: Any, dtype: Any) -> Any:
     return leaf.astype(dtype)
 
 
-__all__ = ["AutoFiniteDifferences", "ReferencePrecisionWarning"]
+__all__ = ["AutoFiniteDifferences", "ReferencePrecisionWarning", "ReferenceRandomnessWarning", "ReferenceUnreliableWarning"]

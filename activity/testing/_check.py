@@ -27,7 +27,7 @@ from .._annotations import Annotation
 from .._problem import describe_type
 from .._tree import flatten, unflatten
 from ..backends import resolve_backend
-from ..backends._finite_differences import AutoFiniteDifferences, ReferencePrecisionWarning
+from ..backends._finite_differences import AutoFiniteDifferences, ReferenceUnreliableWarning
 from ._compare import assert_tree_allclose, to_float64
 
 _SMALL = 64  # at most this many inputs and outputs: full Jacobians and Hessians are compared too
@@ -116,16 +116,13 @@ def check(
 
     unreliable: list[str] = []
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ReferencePrecisionWarning)
+        warnings.simplefilter("always", ReferenceUnreliableWarning)
         ref_jvps = [ad.pushforward(f, *args, tangent=t, backend=reference) for t in tangents]
         ref_jac = ad.jacobian(f, *args, backend=reference) if small and "jacobian" in chosen else None
         ref_hess = ad.hessian(f, *args, backend=reference) if small and "hessian" in chosen else None
     for warning in caught:
-        if issubclass(warning.category, ReferencePrecisionWarning):
-            unreliable.append(
-                "f computes in lower precision than float64, so finite differences carry its rounding error; "
-                "keep f in float64 or pass reference=<an AD backend>"
-            )
+        if issubclass(warning.category, ReferenceUnreliableWarning):
+            unreliable.append(warning.category.reason)
             break
 
     for backend in backends:

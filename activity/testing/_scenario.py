@@ -239,18 +239,14 @@ class Scenario:
         reference = reference or activity.AutoFiniteDifferences()
         key = repr(reference)
         if key not in self._expected:
-            from ..backends._finite_differences import ReferencePrecisionWarning
+            from ..backends._finite_differences import ReferenceUnreliableWarning
 
             with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", ReferencePrecisionWarning)
+                warnings.simplefilter("always", ReferenceUnreliableWarning)
                 result = self.run(reference)
             for warning in caught:
-                if issubclass(warning.category, ReferencePrecisionWarning):
-                    self._unreliable[key] = (
-                        "f computes in lower precision than the float64 reference (a .float() call, a float32 "
-                        "parameter or constant inside f), so the finite differences carry its rounding error; "
-                        "keep f in float64 for the reference, or pass reference=<an AD backend>"
-                    )
+                if issubclass(warning.category, ReferenceUnreliableWarning):
+                    self._unreliable.setdefault(key, warning.category.reason)
                 else:
                     warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
             _refuse_non_finite(result, self.name, reference)
