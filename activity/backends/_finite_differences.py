@@ -212,7 +212,7 @@ class AutoFiniteDifferences(Backend):
             if evaluate.low_precision is None:  # type: ignore[attr-defined]
                 evaluate.low_precision = _low_precision(ys)  # type: ignore[attr-defined]
                 if state["traceable"] and compiled.widened_draws is None:
-                    compiled.widened_draws = _draws_widened_random_bits(jax, compiled.jitted, xs_, F.ctx)
+                    compiled.widened_draws = _draws_widened_random_bits(jax, compiled.jitted, xs_, F.ctx)  # type: ignore[attr-defined]
                 evaluate.widened_draws = bool(compiled.widened_draws)  # type: ignore[attr-defined]
             return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
 
