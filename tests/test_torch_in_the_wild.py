@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import functools
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -1011,3 +1012,46 @@ def test_second_derivatives_of_a_function_linear_in_every_argument_are_zero(back
         torch.testing.assert_close(got, want)
     blocks = [block for row in flat(hessian) for block in flat(row)] if isinstance(hessian, dict) else [hessian]
     assert blocks and all(torch.count_nonzero(block) == 0 for block in blocks)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_hvp_through_an_operation_without_a_forward_rule_that_f_is_linear_in(prepared):
+    """embedding_bag and index_reduce have no forward-mode rule, and f is linear in what goes
+    through them: their gradient has no graph. torch's own backward formulas record theirs, so
+    that is a zero second derivative (it once went to forward over reverse, which raised)."""
+    import torch.nn.functional as F
+
+    w, v = randn(5, 3, dtype=torch.float64), randn(2, 3, seed=1, dtype=torch.float64)
+    ids, offsets = torch.tensor([0, 2, 4, 1]), torch.tensor([0, 2])
+    s, t = randn(3, seed=2, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    index, weights = torch.tensor([0, 0, 2]), torch.arange(4.0, dtype=torch.float64)
+
+    def bag(w):
+        return (F.embedding_bag(ids, w, offsets, mode="mean") * v).sum()
+
+    def bag_and_square(w):
+        return bag(w) + (w**3).sum()
+
+    def reduced(s):
+        return (torch.zeros(4, dtype=torch.float64).index_reduce(0, index, s, "mean") * weights).sum()
+
+    tw = randn(5, 3, seed=3, dtype=torch.float64)
+    for f, x, tangent, want in ((bag, w, tw, torch.zeros_like(w)), (bag_and_square, w, tw, 6 * w * tw), (reduced, s, t, torch.zeros_like(s))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # index_reduce is in beta
+            calls = [ad.prepare(ad.hvp, f, Active(x), tangent=tangent)] * 2 if prepared else [None]
+            for call in calls:
+                got = call(x, tangent=tangent) if call else ad.hvp(f, Active(x), tangent=tangent)
+                torch.testing.assert_close(got, want)
+            if not prepared:
+                torch.testing.assert_close(ad.hessian(f, Active(x)).reshape(x.numel(), x.numel()) @ tangent.reshape(-1), want.reshape(-1))
+
+
+def test_the_hessian_of_an_empty_argument_has_jax_layout():
+    """No tangent at all (the Active leaf is empty): once an IndexError in the batched pass."""
+    x, y = torch.zeros(0, 2, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert ad.hessian(lambda x: (x**2).sum(), Active(x)).shape == (0, 2, 0, 2)
+    (xx, xy), (yx, yy) = ad.hessian(lambda x, y: (x**2).sum() + (y**3).sum(), Active(x), Active(y))
+    assert xx.shape == (0, 2, 0, 2) and xy.shape == (0, 2, 2) and yx.shape == (2, 0, 2)
+    torch.testing.assert_close(yy, torch.diag(6 * y))
+    assert ad.prepare(ad.hessian, lambda x: (x**2).sum(), Active(x))(x).shape == (0, 2, 0, 2)

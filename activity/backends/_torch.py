@@ -636,6 +636,9 @@ def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoT
         if not batched:
             ys, dys, aux = one(ts)
             return ys, aux, dys
+        if ts and arrays.shape(ts[0])[0] == 0:  # no tangent at all (every Active leaf is empty)
+            ys, aux = F(xs)
+            return ys, aux, tuple(torch.zeros((0, *y.shape), dtype=y.dtype, device=y.device) for y in ys)
         if backend.vectorize is False:
             results = [one(tuple(t[b] for t in ts)) for b in range(arrays.shape(ts[0])[0])]
             ys, _, aux = results[0]
@@ -921,8 +924,17 @@ def _gradient_with_graph(y: Any, leaves: Flat, xs: Flat, op_name: str | None, cu
     grads = _zeros_for_unused(_backward((y,), (_torch().ones_like(y),), leaves, create_graph=True), xs, op_name)
     live = [i for i, g in enumerate(grads) if g.requires_grad]
     if not cut_is_zero and len(live) < len(grads) and any(arrays.size(xs[i]) for i in range(len(xs)) if i not in live):
-        raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
+        # torch's own backward formulas record their graph: a gradient without one does not
+        # depend on the leaf (f is linear in it), a zero second derivative. A custom Function's
+        # backward may not record it (@once_differentiable), so there forward over reverse decides.
+        if not all(map(_built_in_node, _graph_operations((y,)))):
+            raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
     return grads, live
+
+
+def _built_in_node(node_type: type) -> bool:
+    """Whether a backward node is one of torch's own operations (not a Python or C++ custom Function)."""
+    return node_type.__module__ == "builtins" and not node_type.__name__.startswith("CppNode")
 
 
 def _lone_module(problem: Any) -> tuple[int, int] | None:
