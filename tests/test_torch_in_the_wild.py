@@ -1055,3 +1055,23 @@ def test_the_hessian_of_an_empty_argument_has_jax_layout():
     assert xx.shape == (0, 2, 0, 2) and xy.shape == (0, 2, 2) and yx.shape == (2, 0, 2)
     torch.testing.assert_close(yy, torch.diag(6 * y))
     assert ad.prepare(ad.hessian, lambda x: (x**2).sum(), Active(x))(x).shape == (0, 2, 0, 2)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_a_forward_rule_that_drops_the_tangent_is_caught_and_the_tape_answers(prepared):
+    """scatter_reduce(..., "prod") has a forward-mode rule that gives no tangent, so
+    torch.func.jvp returns zeros without a word. The pushforward sees no output carrying a
+    tangent and asks the tape, which finds f does depend on x: J t from reverse mode."""
+    x = randn(6, dtype=torch.float64) + 2.0
+    index = torch.tensor([0, 1, 0, 2, 1, 2])
+
+    def f(x):
+        return torch.zeros(3, dtype=torch.float64).scatter_reduce(0, index, x, "prod", include_self=False) * 1.5
+
+    t = randn(6, seed=1, dtype=torch.float64)
+    assert torch.count_nonzero(torch.func.jvp(f, (x,), (t,))[1]) == 0  # torch's own silent zeros
+    want = torch.autograd.functional.jacobian(f, x) @ t
+    got = ad.prepare(ad.pushforward, f, Active(x), tangent=t)(x, tangent=t) if prepared else ad.pushforward(f, Active(x), tangent=t)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="does not depend on the Active argument"):  # a real cut still says so
+        ad.pushforward(lambda x: f(x.detach()), Active(x), tangent=t)

@@ -87,8 +87,18 @@ class _CutGradient(RuntimeError):
     tell which, so the other path (forward over reverse) decides."""
 
 
+class _NoTangent(RuntimeError):
+    """Forward mode gave no output of f a tangent: f is cut from its Active arguments (a
+    mistake the tape names), or an operation's forward rule drops tangents without a word
+    (``scatter_reduce(..., "prod")``, where ``torch.func.jvp`` returns zeros): the tape decides."""
+
+    def __init__(self, op_name: str | None):
+        super().__init__("no output of f carries a tangent")
+        self.op_name = op_name
+
+
 def _is_transform_limit(error: BaseException) -> bool:
-    return isinstance(error, _CutGradient) or isinstance(error, (RuntimeError, NotImplementedError)) and any(
+    return isinstance(error, (_CutGradient, _NoTangent)) or isinstance(error, (RuntimeError, NotImplementedError)) and any(
         text in str(error).lower() for text in _TRANSFORM_LIMITS
     )
 
@@ -309,7 +319,10 @@ class AutoTorch(Backend):
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         if _inside_functorch():
-            return _func_jvp(F, xs, ts, batched, self)
+            try:
+                return _func_jvp(F, xs, ts, batched, self)
+            except _NoTangent as error:  # no tape in here to tell the two causes apart
+                raise _disconnected(error.op_name) from None
         state = _rng_state()
         try:
             # One tangent through f itself (not a gradient function another transform made):
@@ -321,7 +334,7 @@ class AutoTorch(Backend):
                 _torch().set_rng_state(state)  # f runs again, drawing what it drew the first time
             return _func_jvp(F, xs, ts, batched, self)
         except (RuntimeError, NotImplementedError) as error:
-            if self.vectorize or not _is_transform_limit(error):
+            if not isinstance(error, _NoTangent) and (self.vectorize or not _is_transform_limit(error)):
                 raise
             _torch().set_rng_state(state)  # the failed attempt drew nothing, as far as the caller can tell
         return _tape_jvp(F, xs, ts, batched, self)
@@ -583,7 +596,7 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
     def checked(xs: Flat) -> tuple[Flat, Any]:
         ys, aux = F(xs)
         if ys and all(unpack_dual(y).tangent is None for y in ys) and any(arrays.size(x) for x in xs):
-            raise _disconnected(getattr(F, "op_name", None))
+            raise _NoTangent(getattr(F, "op_name", None))
         return ys, aux
 
     return checked
@@ -609,7 +622,7 @@ def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat] | N
             return None
         unpacked = [forward_ad.unpack_dual(y) for y in ys]
         if ys and all(u.tangent is None for u in unpacked) and any(arrays.size(x) for x in xs) and cut_is_an_error(F):
-            raise _disconnected(getattr(F, "op_name", None))
+            raise _NoTangent(getattr(F, "op_name", None))
         dys = tuple(
             torch.zeros_like(u.primal) if u.tangent is None else u.tangent if u.tangent.dtype == u.primal.dtype else u.tangent.to(u.primal.dtype)
             for u in unpacked
