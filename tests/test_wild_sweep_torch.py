@@ -1,0 +1,87 @@
+"""A correctness sweep of AutoTorch (and the finite-difference reference) on third-party modules
+the rest of the suite does not cover: torch's own layers (fast paths, parametrizations, packed
+sequences, hooks) and Hugging Face models from tiny configs (random init, nothing downloaded).
+
+Every expected value is independent of the library: a hand-written ``torch.autograd.grad`` on a
+deep copy, ``torch.func``, or an analytic formula. Each call is also checked to leave the user's
+arguments (parameters, buffers, ``.grad``, flags) and the global RNGs as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import activity as ad
+from activity import Active, Constant
+from activity.backends._finite_differences import ReferencePrecisionWarning
+from activity.testing._intact import Snapshot
+
+FD = ad.AutoFiniteDifferences()
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator(seed), dtype=torch.float64)
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def raw_gradient(loss, model, *args):
+    """``torch.autograd.grad`` on a deep copy, keyed like ``named_parameters()``."""
+    twin = copy.deepcopy(model)
+    names, params = zip(*trainable(twin))
+    return dict(zip(names, torch.autograd.grad(loss(twin, *args), params)))
+
+
+def assert_close_dicts(got, want, **tolerances):
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key, **tolerances)
+
+
+def untouched(*annotated):
+    """A check, to call after the calls, that nothing of ``annotated`` (nor a global RNG) changed."""
+    snapshot = Snapshot(annotated)
+    return lambda: snapshot.changes() == []
+
+
+# ---------------------------------------------------------------- the finite-difference reference
+
+
+def test_finite_differences_of_a_float32_loss_are_not_zeros():
+    """A float64 model whose loss is computed in float32, as Hugging Face's causal-LM and CTC losses
+    do (``logits.float()``): at small steps the float32 loss cannot move, every difference is 0 and
+    looked converged, so the reference gradient came back wrong by 1e-2, in GPT-NeoX some entries
+    exactly 0. The steps now stop
+    where the outputs' rounding dominates; the result carries float32 precision, with a warning."""
+    model = nn.Linear(4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight.copy_(randn(3, 4, seed=1))
+        model.bias.copy_(randn(3, seed=2))
+    x, labels = randn(16, 4, seed=3), torch.tensor([0, 1, 2, 1] * 4)
+
+    def loss(m, x, labels):
+        return nn.functional.cross_entropy(m(x).float(), labels)
+
+    want = raw_gradient(loss, model, x, labels)
+    with pytest.warns(ReferencePrecisionWarning, match="float32"):
+        got = ad.gradient(loss, Active(model), Constant(x), Constant(labels), backend=FD)
+    assert_close_dicts(got, want, rtol=1e-3, atol=2e-4)  # was off by 1e-2, some entries exactly 0
+
+
+def test_finite_differences_of_float64_functions_stay_exact():
+    x = torch.tensor([0.3, -0.2, 0.5], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferencePrecisionWarning)
+        got = ad.gradient(lambda x: torch.log(1000.0 + torch.exp(x)).sum(), Active(x), backend=FD)
+    torch.testing.assert_close(got, torch.exp(x) / (1000.0 + torch.exp(x)), rtol=1e-9, atol=1e-12)
