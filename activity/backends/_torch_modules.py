@@ -135,12 +135,25 @@ def describe_module(module: Any) -> ModuleDescription:
         if id(m) in seen:
             return
         seen.add(id(m))
+        if isinstance(m, script_module):
+            raise UnsupportedError(
+                f"activity: {_where(prefix, m)} is a TorchScript module (made by torch.jit.script, torch.jit.trace "
+                f"or torch.jit.load). Its parameters and buffers live in the compiled module, where activity "
+                f"cannot put the tensors it differentiates nor copies of the buffers. Pass the eager module it "
+                f"was made from (script or trace it afterwards), or use torch.compile, which activity follows."
+            )
         modules.append(m)
         layout.append(type(m))
         slot_dicts.extend((m._parameters, m._buffers, m._modules))
         for key, p in m._parameters.items():
             if p is None or id(p) in seen:
                 continue
+            if is_lazy(p):
+                raise UnsupportedError(
+                    f"activity: the parameter {prefix + key} is not initialized yet (a lazy module such as "
+                    f"nn.LazyLinear: its shape is known after its first forward pass). Run the module once on "
+                    f"an input of the right shape before differentiating it."
+                )
             seen.add(id(p))
             layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
             tensors.append(p)
@@ -155,6 +168,8 @@ def describe_module(module: Any) -> ModuleDescription:
             if child is not None:
                 visit(child, prefix + key + ".")
 
+    torch = sys.modules["torch"]
+    script_module, is_lazy = torch.jit.ScriptModule, torch.nn.parameter.is_lazy
     visit(module, "")
     has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
     names_of = _module_names(module)
@@ -189,6 +204,10 @@ def describe_module(module: Any) -> ModuleDescription:
         ),
         redirected=redirected,
     )
+
+
+def _where(prefix: str, module: Any) -> str:
+    return f"the submodule {prefix[:-1]}" if prefix else f"the module ({type(module).__name__})"
 
 
 _RECENT: dict[int, ModuleDescription] = {}  # id(module) -> its latest description, while it lives
