@@ -128,3 +128,35 @@ def test_an_uninitialized_lazy_module_is_refused_by_parameter():
         ad.gradient(squared, Active(lazy), Constant(x))
     lazy(x)  # initialized: now an ordinary Linear
     assert_close_dicts(ad.gradient(squared, Active(lazy), Constant(x)), raw_gradient(squared, lazy, x))
+
+
+# ---------------------------------------------------------------- packed sequences
+
+
+def test_packed_sequences_as_data_and_as_the_differentiated_value():
+    """Constant: the RNN's gradient through a packed batch. Active: the gradient is a
+    PackedSequence with None at its integer fields, which PackedSequence(...) itself refuses
+    (it raised "Expected data to be a list or tuple of length 2"): it is built as _make does."""
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        lstm = nn.LSTM(3, 4, num_layers=2, proj_size=2, batch_first=True, dtype=torch.float64)
+    packed = pack_padded_sequence(randn(2, 4, 3, seed=1), torch.tensor([2, 4]), batch_first=True, enforce_sorted=False)
+
+    def loss(m, p):
+        out, (h, _) = m(p)
+        return pad_packed_sequence(out, batch_first=True)[0].pow(2).sum() + h.sum()
+
+    intact = untouched(Active(lstm), Constant(packed))
+    assert_close_dicts(ad.gradient(loss, Active(lstm), Constant(packed)), raw_gradient(loss, lstm, packed))
+    data = packed.data.clone().requires_grad_()
+    like = PackedSequence(data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices)
+    want = torch.autograd.grad(loss(copy.deepcopy(lstm), like), data)[0]
+    for got in (
+        ad.gradient(lambda p, m: loss(m, p), Active(packed), Constant(lstm)),
+        ad.prepare(ad.gradient, lambda p, m: loss(m, p), Active(packed), Constant(lstm))(packed, lstm),
+    ):
+        assert type(got) is PackedSequence and got.batch_sizes is None
+        torch.testing.assert_close(got.data, want)
+    assert intact()
