@@ -691,6 +691,19 @@ class Problem:
     def call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
         traceback, with a note saying where."""
+        if self._described:  # torch modules among the arguments: see `forget_hooks_since`
+            hooks = sys.modules["torch.utils.hooks"].RemovableHandle
+            first = hooks.next_id
+            try:
+                return self._call(f, values)
+            finally:
+                if hooks.next_id != first:
+                    from .backends._torch_modules import forget_hooks_since
+
+                    forget_hooks_since(self._described.values(), first)
+        return self._call(f, values)
+
+    def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         try:
             if self.keywords:
                 n = self.n_positional

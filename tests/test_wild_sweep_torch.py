@@ -160,3 +160,93 @@ def test_packed_sequences_as_data_and_as_the_differentiated_value():
         assert type(got) is PackedSequence and got.batch_sizes is None
         torch.testing.assert_close(got.data, want)
     assert intact()
+
+
+def test_hooks_the_user_registered_run_and_stay_and_those_f_registers_go():
+    with torch.random.fork_rng():
+        model = small_mlp()
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    model[2].register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()]
+    x = randn(5, 3)
+
+    def loss(m, x):
+        m[2].register_forward_hook(lambda mod, args, out: out + 1.0)  # on the view f is given
+        return m(x).pow(2).sum()
+
+    want = raw_gradient(loss, model, x)  # (a deep copy gets the extra hook)
+    intact = untouched(Active(model), Constant(x))
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    for got in (ad.gradient(loss, Active(model), Constant(x)), prepared(model, x), prepared(model, x)):
+        assert_close_dicts(got, want)
+    assert intact()
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()] == hooks
+
+
+# ---------------------------------------------------------------- Hugging Face models
+
+
+VOCAB = 64
+
+
+def token_ids(seed: int, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, length), generator=generator(seed))
+
+
+def hf_model(model_class, config, seed: int = 0):
+    config._attn_implementation = "eager"  # plain differentiable ops (second order too)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return model_class(config).eval()
+
+
+def distilbert():
+    import transformers
+
+    config = transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, hidden_dim=32, max_position_embeddings=16, num_labels=3
+    )
+    return hf_model(transformers.DistilBertForSequenceClassification, config)
+
+
+def classification_batch(seed: int) -> dict:
+    ids = token_ids(seed)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (2,), generator=generator(seed + 1))}
+
+
+def hook_counts(model: nn.Module) -> list[int]:
+    return [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+
+
+def test_a_first_forward_inside_activity_leaves_hugging_face_output_capture_intact():
+    """transformers installs its output-capturing hooks on a model's first forward that asks for
+    hidden states, and marks the model. When that forward ran inside activity (a view), the hooks
+    reached the user's model but the mark did not: its next forward installed them again, and
+    returned 5 hidden states for 2 layers, the last one wrong."""
+    model = distilbert()
+    twin = copy.deepcopy(model)  # never run by activity
+    batch = classification_batch(3)
+    hooks = hook_counts(model)
+
+    def loss(m, batch):
+        out = m(**batch, output_hidden_states=True, output_attentions=True)
+        return out.loss, out
+
+    intact = untouched(Active(model), Constant(batch))
+    (value, aux), grads = ad.value_and_gradient(loss, Active(model), Constant(batch), has_aux=True)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(batch), has_aux=True)
+    prepared_grads, prepared_aux = prepared(model, batch)
+    assert intact() and hook_counts(model) == hooks
+    want = twin(**batch, output_hidden_states=True, output_attentions=True)
+    want_grads = raw_gradient(lambda m, b: loss(m, b)[0], twin, batch)
+    with torch.no_grad():
+        mine = model(**batch, output_hidden_states=True, output_attentions=True)  # the user's own forward, after
+    for out in (aux, prepared_aux, mine):
+        assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+        for got, expected in zip((*out.hidden_states, *out.attentions), (*want.hidden_states, *want.attentions)):
+            torch.testing.assert_close(got, expected.detach())
+    torch.testing.assert_close(value, want.loss.detach())
+    assert_close_dicts(grads, want_grads)
+    assert_close_dicts(prepared_grads, want_grads)

@@ -510,6 +510,46 @@ class ReusedView:
         return True
 
 
+def forget_hooks_since(descriptions: Any, first: int) -> None:
+    """Remove the hooks registered from handle id ``first`` on in the described modules.
+
+    A view shares its original's hook dicts (f runs the user's hooks), so a hook that f
+    registers on a view lands in the user's module, while an attribute f sets on the view
+    does not: Hugging Face installs its output-capturing hooks on a model's first forward and
+    marks the model, and a first forward inside activity left the hooks without the mark, so
+    the next forward installed them again (every hidden state captured twice, a wrong
+    ``last_hidden_state``). Called when f has registered a hook (``RemovableHandle.next_id``
+    moved), after f and before the backward pass, whose hooks the forward pass has captured.
+    """
+    for description in descriptions:
+        for module_ref in description.module_refs:
+            module = module_ref()
+            if module is None:
+                continue
+            state = module.__dict__
+            for name in _HOOK_DICTS:
+                hooks = state.get(name)
+                if hooks:
+                    for key in [key for key in hooks if isinstance(key, int) and key >= first]:
+                        del hooks[key]
+
+
+# The hook dicts of a module, keyed by handle id (`torch.utils.hooks.RemovableHandle`).
+_HOOK_DICTS = (
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
 _IDLE_VIEWS = 4  # per description: enough for a few threads or nested calls at once
 
 
@@ -533,4 +573,13 @@ def release_view(module: ModuleDescription, view: ReusedView) -> None:
         module.reused.append(view)
 
 
-__all__ = ["ModuleDescription", "ReusedView", "bound_view", "describe_module", "described", "lease_view", "release_view"]
+__all__ = [
+    "ModuleDescription",
+    "ReusedView",
+    "bound_view",
+    "describe_module",
+    "described",
+    "forget_hooks_since",
+    "lease_view",
+    "release_view",
+]
