@@ -93,42 +93,70 @@ class Prepared(Generic[R]):
         # Prepared from torch meta-device tensors: the first call that matches them fixes the
         # devices, and the operator is prepared for it (on torch that runs nothing).
         self._device_pending = device_pending
-        self._compiled_call = None if device_pending else self._compile(plan, values, seed_kwargs)
+        self._set_compiled_call(None if device_pending else self._compile(plan, values, seed_kwargs))
 
     def __repr__(self) -> str:
         return f"<prepared activity.{self.operator} on {self.backend!r}, strict={self._strict}>"
 
     def __call__(self, *args: Any, **seed_kwargs: Any) -> R:
+        # The common call, raw arguments to a strict operator without keywords for f, goes
+        # straight to the compiled call; this path is timed against raw `jax.jit` calls, so
+        # it is a loop rather than any(...), and everything else is left to `_call`.
+        direct = self._direct
+        if direct is not None:
+            for arg in args:
+                if isinstance(arg, Annotation):
+                    break
+            else:
+                try:
+                    out = direct(*args, **seed_kwargs)
+                except self._direct_misses:
+                    return self._reported(self._checked_call, args, seed_kwargs)  # type: ignore[no-any-return]
+                except Exception as error:
+                    drop_jax_note(error)
+                    raise
+                rebuild = self._direct_rebuild
+                return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
+        return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
+
+    def _call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
         if self._keywords:
             args = self._with_keywords(args, seed_kwargs)
         compiled_call = self._compiled_call
         if compiled_call is not None:
             values: tuple[Any, ...] | None = args
-            for arg in args:  # a loop, not any(...): this path is timed against raw jax.jit calls
-                if isinstance(arg, Annotation):
-                    problem = self._plan.problem
-                    kinds, values = kinds_of(args, problem.kinds)
-                    same = kinds == problem.kinds and all(a is b for a, b in zip(wheres_of(args, problem.wheres), problem.wheres))
-                    values = values if same else None
-                    break
+            if any(isinstance(arg, Annotation) for arg in args):
+                problem = self._plan.problem
+                kinds, values = kinds_of(args, problem.kinds)
+                same = kinds == problem.kinds and all(a is b for a, b in zip(wheres_of(args, problem.wheres), problem.wheres))
+                values = values if same else None
             if values is not None:
                 if not self._strict:
                     self._local.call = (values, seed_kwargs)  # for `_retrace`
                 try:
-                    return compiled_call.call(*values, **seed_kwargs)  # type: ignore[no-any-return]
+                    return compiled_call(*values, **seed_kwargs)
                 except compiled_call.misses:
                     pass  # not the prepared signature: the checked path says what differs, or prepares again
-                except Exception as error:
-                    drop_jax_note(error)
-                    raise
                 finally:
                     if not self._strict:
                         self._local.call = None
+        return self._checked_call(args, seed_kwargs)
+
+    @staticmethod
+    def _reported(call: Callable[..., Any], *args: Any) -> Any:
         try:
-            return self._checked_call(args, seed_kwargs)  # type: ignore[no-any-return]
+            return call(*args)
         except Exception as error:
             drop_jax_note(error)
             raise
+
+    def _set_compiled_call(self, compiled_call: Any) -> None:
+        self._compiled_call = compiled_call
+        # `__call__`'s direct path: it serves strict operators without keywords for f
+        direct = compiled_call is not None and self._strict and not self._keywords
+        self._direct = compiled_call.call if direct else None
+        self._direct_misses = compiled_call.misses if direct else ()
+        self._direct_rebuild = compiled_call.rebuild if direct else None
 
     def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments followed by the prepared keyword arguments for f, taken out
@@ -171,7 +199,7 @@ class Prepared(Generic[R]):
                 compiled = self._recompile_if_full(plan, values, seed_kwargs)
                 if compiled is not None:
                     try:
-                        return compiled.call(*values, **seed_kwargs)
+                        return compiled(*values, **seed_kwargs)
                     except compiled.misses:
                         pass
             return plan.run(values, encode_seeds(plan.operator, plan.problem, seed_kwargs))
@@ -224,7 +252,7 @@ class Prepared(Generic[R]):
             if self._device_pending:
                 self._plan, self._device_pending = plan, False
                 self._plans = [((tuple(plan.problem.signature), _raw_seed_key(seed_kwargs, self.backend)), plan)]
-                self._compiled_call = compiled
+                self._set_compiled_call(compiled)
             return self._plan
 
     def _retrace(self, values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> Any:
@@ -268,7 +296,8 @@ class Prepared(Generic[R]):
         compiled = self._compile(plan, values, seed_kwargs)
         if compiled is not None:  # else these values cannot start one (JAX refuses them): keep the full one
             with self._lock:
-                self._compiled_call, self._compiled_signatures = compiled, 1
+                self._set_compiled_call(compiled)
+                self._compiled_signatures = 1
         return compiled
 
     def _key(self, kinds: tuple[Any, ...], values: tuple[Any, ...], seed_kwargs: dict[Any, Any], wheres: tuple[Any, ...] | None = None) -> tuple[Any, ...]:

@@ -711,6 +711,10 @@ class Problem:
             return f(*values)
         except Exception as error:
             add_note(error, f"{RAISED_BY_F}{self.op_name} with backend {self.backend!r})")
+            active = ", ".join(self.label(i) for i, kind in enumerate(self.kinds) if kind == "active")
+            hint = self.backend.explain_error(error, active)
+            if hint is not None:
+                add_note(error, hint)
             raise
 
     def output_leaves(self, out: Any, scalar: bool, has_aux: bool = False) -> tuple[tuple[Any, ...], Any]:

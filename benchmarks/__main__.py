@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # One thread: a ratio then compares the same single-threaded work on both sides.
     torch.set_num_threads(1)
+    import jax
+
+    # Every timed JAX call blocks on its result. With JAX's default asynchronous CPU dispatch
+    # that wait is a hand-over between threads, which takes 25 to 75 us in two modes a round
+    # falls into on either side; with synchronous dispatch the same calls repeat to 0.1 %,
+    # and the ratio shows the cost of activity's own work at its full weight.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
     from . import _closure, _report
 
     sizes = QUICK if args.quick else FULL

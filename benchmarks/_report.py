@@ -378,9 +378,14 @@ def markdown(
         "Every number below comes from one run on the machine described here; timings on "
         "other machines differ." + (" **This is a `--quick` run: tiny sizes and few rounds, not meaningful timings.**" if quick else ""),
         "## Machine and versions",
-        _table(["", ""], [[k, v] for k, v in env.items()]),
+        _table(["", "value"], [[k, v] for k, v in env.items()]),
         f"The whole run took {seconds:.0f} s. PyTorch runs with `torch.set_num_threads(1)`, "
-        "so a ratio compares single-threaded work on both sides; JAX keeps its defaults. "
+        "so a ratio compares single-threaded work on both sides. JAX runs with synchronous CPU "
+        "dispatch (`jax_cpu_enable_async_dispatch=False`): every timed call blocks on its result, "
+        "and with the default asynchronous dispatch that wait is a hand-over between threads of "
+        "25 to 75 us, in two modes that a round falls into on either side, which moved the "
+        "small JAX rows by +-10 % between runs; synchronous calls repeat to 0.1 %, so a ratio "
+        "shows activity's own cost at its full weight. "
         "The harness runs with glibc's `MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` "
         "raised (it sets them itself), so freed memory stays mapped: otherwise a call of "
         "10 ms takes 12 or 18 ms on either side depending on whether its pages were still "
@@ -395,7 +400,7 @@ def markdown(
         "per call of each side in microseconds and the ratio of the medians, activity / raw "
         "(1.0: no overhead); *extra* is the difference of the medians, the time `activity` "
         "adds per call. JAX calls block on their results (`jax.block_until_ready`) on both "
-        "sides, so the time is the computation, not the asynchronous dispatch. Before timing, "
+        "sides, so the time is the computation. Before timing, "
         "each case checks that both calls return the same result (`tests/test_benchmarks.py` "
         "does the same at tiny sizes). On this 2-core machine the ratio of a call of about "
         "100 us moves by a few percent from one run to the next, so a verdict at 1.05 on "

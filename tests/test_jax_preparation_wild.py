@@ -129,6 +129,28 @@ def flat_f(p):
     return jnp.sum(jnp.sin(p["w1"]) ** 2) + jnp.sum(p["b1"] ** 3) + jnp.sum(jnp.tanh(p["a"]))
 
 
+def nested_f(p):
+    return flat_f(p["outer"]) + jnp.sum(p["scale"] * p["outer"]["a"])
+
+
+def test_a_nested_result_keeps_its_layout_when_jax_traces_the_prepared_call_again():
+    """The prepared call is traced once more for weakly typed arrays (the same signature as
+    activity sees it, another one for JAX): the result, whose arrays leave the compiled call
+    as a tuple, is still rebuilt with its keys in the argument's order, None where masked."""
+    p = {"scale": jnp.asarray(1.5, dtype=jnp.float32), "outer": flat_params()}
+    where = {"scale": False, "outer": {"w1": True, "b1": False, "a": True}}
+    prepared = ad.prepare(ad.gradient, nested_f, Active(p, where=where))
+    weak = {"scale": jnp.asarray(0.5), "outer": flat_params()}  # a weakly typed float32 scalar
+    assert weak["scale"].weak_type and not p["scale"].weak_type
+    for q in (p, weak, p):
+        got = prepared(q)
+        want = jax.grad(nested_f)(q)
+        assert list(got) == ["scale", "outer"] and got["scale"] is None
+        assert list(got["outer"]) == ["w1", "b1", "a"] and got["outer"]["b1"] is None
+        for key in ("w1", "a"):
+            np.testing.assert_allclose(got["outer"][key], want["outer"][key], rtol=1e-6)
+
+
 @pytest.mark.parametrize("op", ["gradient", "value_and_gradient", "pullback"])
 def test_a_prepared_result_shaped_like_a_flat_dict_keeps_each_array_under_its_key(op):
     p = flat_params()

@@ -618,6 +618,39 @@ def _():
     return lambda: prep(q), [p, q]
 
 
+def _scaled_in_place(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    x.mul_(scale)  # the mistake: f changes the tensor it differentiates
+    return (x**2).sum()
+
+
+def _bias_bumped(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    m[0].bias.add_(1.0)
+    return m(x).sum()
+
+
+_IN_PLACE = [r"in-place operation", r"f changes a differentiated tensor in place \(the Active argument 0\b", r"x\.clone\(\)", r"Cache\(buffer\)"]
+
+for _op, _seed in (("gradient", {}), ("value_and_gradient", {}), ("pullback", {"cotangent": torch.tensor(1.0)}),
+                   ("jacobian", {}), ("hvp", {"tangent": torch.ones(3)})):
+
+    @m(f"torch-{_op}-f-changes-its-active-tensor-in-place", RuntimeError, _IN_PLACE)
+    def _(op=getattr(ad, _op), seed=_seed):
+        x, scale = tx(), torch.tensor(2.0)
+        return lambda: op(_scaled_in_place, Active(x), Constant(scale), backend=T, **seed), [x, scale]
+
+    @m(f"prepared-torch-{_op}-f-changes-its-active-tensor-in-place", RuntimeError, _IN_PLACE)
+    def _(op=getattr(ad, _op), seed=_seed):
+        x, scale = tx(), torch.tensor(2.0)
+        return lambda: ad.prepare(op, _scaled_in_place, Active(x), Constant(scale), **seed)(x, scale, **seed), [x, scale]
+
+
+@m("torch-f-changes-a-parameter-of-its-active-module-in-place", RuntimeError, _IN_PLACE)
+def _():
+    net, x = model(), tx()[None].repeat(2, 1)
+    prep = ad.prepare(ad.gradient, _bias_bumped, Active(net), Constant(x))
+    return lambda: prep(net, x), [net, x]
+
+
 # ============================================================================ tests
 
 
@@ -638,7 +671,7 @@ def _check(mistake: Mistake) -> BaseException:
     assert type(error) is mistake.exc or (isinstance(error, mistake.exc) and mistake.exc is not Exception), (
         f"expected {mistake.exc.__name__}, got {type(error).__name__}: {error}"
     )
-    message = str(error)
+    message = "\n".join([str(error), *getattr(error, "__notes__", [])])  # what a traceback shows
     missing = [p for p in mistake.patterns if not re.search(p, message, re.DOTALL)]
     assert not missing, f"message {message!r} does not match {missing}"
     after = [snapshot(obj) for obj in objects]

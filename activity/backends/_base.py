@@ -106,6 +106,11 @@ class Backend:
         """Entered around every call (grad mode, precision)."""
         return NO_CONTEXT
 
+    def explain_error(self, error: Exception, active: str) -> str | None:
+        """What to tell the user about ``error``, raised by ``f`` on this backend, beyond its own
+        message (None: nothing); ``active`` names the Active arguments, e.g. "argument 0"."""
+        return None
+
     def random_state(self) -> Any:
         """The global random state ``f`` may draw from (None if the backend has none to keep)."""
         return None
@@ -221,7 +226,15 @@ class SignatureChanged(Exception):
 
 @attrs.frozen
 class CompiledCall:
-    """A prepared call specialised by a backend, and the exceptions by which it declines one."""
+    """A prepared call specialised by a backend, and the exceptions by which it declines one.
+
+    With ``rebuild``, the call returns the result's leaves, and ``rebuild(leaves)`` is the
+    result (the prepared object calls it, saving a frame per call)."""
 
     call: Callable[..., Any]
     misses: tuple[type[BaseException], ...] = (SignatureChanged,)
+    rebuild: Callable[[Any], Any] | None = None
+
+    def __call__(self, *values: Any, **seed_kwargs: Any) -> Any:
+        out = self.call(*values, **seed_kwargs)
+        return out if self.rebuild is None else self.rebuild(out)

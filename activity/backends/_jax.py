@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import sys
 import threading
@@ -137,8 +138,10 @@ class AutoJAX(Backend):
         sealed = _sealed_jit(plan, values, seed_kwargs, retrace)
         if sealed is None:
             return None
-        jitted, rebuilt = sealed
-        if retrace is None and not rebuilt:  # one signature, whose result JAX returns as built
+        jitted, output = sealed
+        if output.get("structure") is not None:  # the result's arrays leave as a tuple
+            return CompiledCall(jitted, _MISSES, functools.partial(optree.tree_unflatten, output["structure"]))
+        if retrace is None and not output["rebuilt"]:  # one signature, whose result JAX returns as built
             return CompiledCall(jitted, _MISSES)
 
         def call(*values: Any, **seed_kwargs: Any) -> Any:
@@ -151,13 +154,15 @@ class AutoJAX(Backend):
 _MISSES = (SignatureChanged, TypeError, ValueError)
 
 
-def _sealed_jit(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None) -> tuple[Any, ...] | None:
+def _sealed_jit(
+    plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None
+) -> tuple[Any, dict[str, Any]] | None:
     """``jax.jit`` of the whole call (`Plan.direct`), traced and compiled for ``values``
     (never run), then sealed: a later trace is for other arguments, traced from ``retrace``
     or, without it, only if they have the prepared signature as activity sees it (say, a
     weakly typed array where a plain one was prepared); else it raises SignatureChanged and
-    the call takes the checked path. Returns the jitted function and whether the prepared
-    result leaves it as an `_Output`, or None if it cannot be traced."""
+    the call takes the checked path. Returns the jitted function and what
+    `_with_static_output` learnt of its result, or None if it cannot be traced."""
     call, same_signature = plan.direct(), _same_signature(plan)
     sealed = False
 
@@ -170,8 +175,8 @@ def _sealed_jit(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any],
             raise SignatureChanged
         return call(values, seed_kwargs)
 
-    rebuilt: dict[Any, Any] = {}
-    jitted = _jax().jit(_with_static_output(whole, rebuilt))
+    output: dict[str, Any] = {}
+    jitted = _jax().jit(_with_static_output(whole, output, fixed_structure=retrace is None))
     try:
         # Traced and compiled, not run (the values may be placeholders); calls share JAX's
         # caches with `lower`, so the first call neither traces nor compiles.
@@ -179,7 +184,7 @@ def _sealed_jit(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any],
     except Exception:  # noqa: BLE001 - the checked path runs the call again and reports any error
         return None
     sealed = True
-    return jitted, rebuilt.get("first", True)
+    return jitted, output
 
 
 def _jit_with_statics(
@@ -243,8 +248,7 @@ def _jit_with_statics(
             dynamic.append([leaves[i] for i in dynamic_index])
         return tuple(dynamic)
 
-    output: dict[str, Any] = {}
-    jitted = jax.jit(_with_static_output(whole, output))
+    jitted = jax.jit(_with_static_output(whole, {}))
     try:
         jitted.lower(dynamic_leaves(values), seed_kwargs).compile()
     except Exception:  # noqa: BLE001 - the generic path runs the call and reports any error
@@ -272,7 +276,7 @@ def _same_signature(plan: Any) -> Callable[[tuple[Any, ...], dict[Any, Any]], bo
     return same
 
 
-def _with_static_output(function: Callable[..., Any], rebuilt: dict[Any, Any]) -> Callable[..., Any]:
+def _with_static_output(function: Callable[..., Any], output: dict[str, Any], fixed_structure: bool = False) -> Callable[..., Any]:
     """``function``, its result made such that `jax.jit` gives it back exactly as built.
 
     JAX rebuilds a jitted function's result with its own pytrees, which sort dict keys
@@ -280,47 +284,56 @@ def _with_static_output(function: Callable[..., Any], rebuilt: dict[Any, Any]) -
     strings or None in aux. Where the two differ, the result leaves JAX as an `_Output`
     (`_rebuilt` turns it back into the result): its arrays are the outputs, and the rest
     (activity's structure and non-array leaves) is the node's static data, which JAX
-    keeps per compiled signature. ``rebuilt["first"]`` says whether the first trace's did.
+    keeps per compiled signature. ``output["rebuilt"]`` says whether the first trace's
+    result needed this.
+
+    With ``fixed_structure`` (every trace is for the prepared signature, so f's result has
+    one structure), a result of arrays leaves as the tuple of its arrays, which JAX builds
+    in C++, and ``output["structure"]`` holds activity's structure of it, which rebuilds it;
+    a trace whose result has another structure raises SignatureChanged.
     """
     _register_output()
 
     def returnable(*args: Any, **kwargs: Any) -> Any:
         out = function(*args, **kwargs)
         keeps = _jax_keeps(out)
-        rebuilt.setdefault("first", not keeps)
+        output.setdefault("rebuilt", not keeps)
+        if fixed_structure:
+            leaves, structure = flatten(out)
+            arrays = all(map(_is_jax_array, leaves))
+            known = output.setdefault("structure", structure if arrays and not keeps else None)
+            if known is not None:
+                if not arrays or structure != known:
+                    raise SignatureChanged
+                return tuple(leaves)
         if keeps:
             return out
+        if type(out) is dict and all(map(_is_jax_array, out.values())):
+            # A flat dict of arrays (a gradient of a dict of parameters): its arrays leave in
+            # the dict's own order, and it is rebuilt by its keys alone.
+            return _Output(_Static(None, tuple(out)), list(out.values()))
         dynamic, static = partition(out)
-        # A flat dict of arrays (a gradient of a dict of parameters): rebuilt by its keys alone,
-        # in their order, from the arrays in the order the flatten gave them.
-        keys = None
-        if type(out) is dict and len(dynamic) == len(out) and all(map(_is_jax_array, out.values())):
-            order, _ = flatten({key: index for index, key in enumerate(out)})
-            keys = (tuple(out), tuple(order.index(index) for index in range(len(out))))
-        return _Output(dynamic, _Static(static, keys))
+        return _Output(_Static(static), dynamic)
 
     return returnable
 
 
 def _rebuilt(out: Any) -> Any:
-    if type(out) is not _Output:
-        return out
-    keys = out.static.keys
-    if keys is not None:
-        return dict(zip(keys[0], map(out.dynamic.__getitem__, keys[1])))
-    if out.static.arrays_only:  # the usual case, a dict of arrays: no leaves to put back
-        return unflatten(out.static.value[0], out.dynamic)
-    return combine(out.dynamic, out.static.value)
+    if type(out) is _Output:
+        return out.static.rebuild(out.dynamic)
+    return out
 
 
 class _Output:
-    """A result on its way out of `jax.jit` (see `_with_static_output`)."""
+    """A result on its way out of `jax.jit` (see `_with_static_output`). JAX's unflatten
+    of it must give an `_Output` again: JAX's dispatch flattens what the first call
+    returned to learn the structure that later calls take."""
 
     __slots__ = ("dynamic", "static")
 
-    def __init__(self, dynamic: list[Any], static: Any):
+    def __init__(self, static: _Static, dynamic: Any):  # the order of JAX's unflatten
+        self.static = static
         self.dynamic = dynamic
-        self.static = static if isinstance(static, _Static) else _Static(static)
 
 
 class _Static:
@@ -329,10 +342,19 @@ class _Static:
 
     __slots__ = ("value", "arrays_only", "keys")
 
-    def __init__(self, value: tuple[Any, ...], keys: tuple[tuple[Any, ...], tuple[int, ...]] | None = None):
+    def __init__(self, value: tuple[Any, ...] | None, keys: tuple[Any, ...] | None = None):
         self.value = value  # `partition`'s static part: (structure, which leaves are arrays, the others)
-        self.arrays_only = all(value[1])
-        self.keys = keys  # a flat dict of arrays: its keys, and where each one's array is among the outputs
+        self.arrays_only = value is None or all(value[1])
+        self.keys = keys  # a flat dict of arrays: its keys, in the order of its arrays among the outputs
+
+    def rebuild(self, dynamic: Any) -> Any:
+        """The result, from the arrays of an `_Output`."""
+        if self.keys is not None:
+            return dict(zip(self.keys, dynamic))
+        assert self.value is not None
+        if self.arrays_only:  # a nested structure of arrays: no leaves to put back
+            return unflatten(self.value[0], dynamic)
+        return combine(list(dynamic), self.value)
 
 
 _output_lock = threading.Lock()
@@ -343,9 +365,7 @@ def _register_output() -> None:
     global _output_registered
     with _output_lock:
         if not _output_registered:
-            _jax().tree_util.register_pytree_node(
-                _Output, lambda out: (out.dynamic, out.static), lambda static, dynamic: _Output(list(dynamic), static)
-            )
+            _jax().tree_util.register_pytree_node(_Output, lambda out: (out.dynamic, out.static), _Output)
             _output_registered = True
 
 

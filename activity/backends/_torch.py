@@ -196,6 +196,15 @@ class AutoTorch(Backend):
         if state is not None:
             _torch().set_rng_state(state)
 
+    def explain_error(self, error: Exception, active: str) -> str | None:
+        if isinstance(error, RuntimeError) and "requires grad is being used in an in-place operation" in str(error):
+            return (
+                f"f changes a differentiated tensor in place (the Active {active}; nothing of yours was "
+                f"changed). Compute out of place or on a copy (x = x.clone()); pass scratch space that f "
+                f"writes as Cache(buffer), and data as Constant(x)."
+            )
+        return None
+
     def context(self) -> contextlib.AbstractContextManager[Any]:
         torch = _torch()
         if torch.is_inference_mode_enabled():  # no tape at all in there: leave it for the call
