@@ -250,3 +250,182 @@ def test_a_first_forward_inside_activity_leaves_hugging_face_output_capture_inta
     torch.testing.assert_close(value, want.loss.detach())
     assert_close_dicts(grads, want_grads)
     assert_close_dicts(prepared_grads, want_grads)
+
+
+# ---------------------------------------------------------------- new kinds of input that work (representative)
+
+
+def test_transformer_encoder_in_eval_takes_its_differentiable_path_with_a_padding_mask():
+    """In eval without a tape, torch's encoder takes a nested-tensor fast path (zeros at padded
+    positions). The differentiated call is the slow path, as torch.autograd.grad's is."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=torch.float64)
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    mask = torch.zeros(2, 5, dtype=torch.bool)
+    mask[1, 3:] = True
+
+    def loss(m, x, mask):
+        return m(x, src_key_padding_mask=mask).pow(3).sum()
+
+    x0, x1 = randn(2, 5, 8, seed=1), randn(2, 5, 8, seed=2)
+    intact = untouched(Active(encoder), Constant(x0), Constant(mask))
+    prepared = ad.prepare(ad.gradient, loss, Active(encoder), Constant(x0), Constant(mask))
+    for x in (x0, x1):
+        want = raw_gradient(loss, encoder, x, mask)
+        assert_close_dicts(ad.gradient(loss, Active(encoder), Constant(x), Constant(mask)), want)
+        assert_close_dicts(prepared(encoder, x, mask), want)
+    assert intact()
+
+
+def test_checkpointed_segments_and_functional_call_ensembles():
+    import torch.utils.checkpoint as checkpoint
+
+    with torch.random.fork_rng():
+        inner, head = small_mlp(), nn.Linear(2, 2, dtype=torch.float64)
+        members = [small_mlp() for _ in range(3)]
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.head = inner, head
+
+        def forward(self, x):
+            return self.head(checkpoint.checkpoint(self.inner, x, use_reentrant=False))
+
+    model, x = Checkpointed(), randn(5, 3)
+    tangent = {n: torch.ones_like(p) for n, p in trainable(model)}
+    twin = copy.deepcopy(model)
+    names, params = zip(*trainable(twin))
+    first = torch.autograd.grad(squared(twin, x), params, create_graph=True)
+    want_hvp = dict(zip(names, torch.autograd.grad(first, params, [tangent[n] for n in names])))
+    assert_close_dicts(ad.gradient(squared, Active(model), Constant(x)), raw_gradient(squared, model, x))
+    assert_close_dicts(ad.hvp(squared, Active(model), Constant(x), tangent=tangent), want_hvp)
+
+    stacked, buffers = torch.func.stack_module_state(members)
+    skeleton = copy.deepcopy(members[0]).to("meta")
+
+    def ensemble(params, x):
+        run = lambda p, b, x: torch.func.functional_call(skeleton, (p, b), (x,))  # noqa: E731
+        return torch.vmap(run, in_dims=(0, 0, None))(params, buffers, x).pow(2).sum()
+
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in stacked.items()}
+    want = dict(zip(leaves, torch.autograd.grad(ensemble(leaves, x), list(leaves.values()))))
+    assert_close_dicts(ad.gradient(ensemble, Active(stacked), Constant(x)), want)
+    assert_close_dicts(ad.prepare(ad.gradient, ensemble, Active(stacked), Constant(x))(stacked, x), want)
+
+
+def albert_and_clip():
+    import transformers
+
+    albert = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=8, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, num_labels=3,
+    )  # one layer's weights shared by the three layers
+    clip = transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=16, projection_dim=8,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=2),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4, projection_dim=8),
+        projection_dim=8,
+    )
+    return (
+        hf_model(transformers.AlbertForSequenceClassification, albert),
+        hf_model(transformers.CLIPModel, clip),
+    )
+
+
+def test_shared_layer_weights_and_two_towers_with_keyword_constants():
+    albert, clip = albert_and_clip()
+
+    def loss(m, **batch):
+        return m(**batch).loss
+
+    def clip_batch(seed):
+        return {"input_ids": token_ids(seed), "pixel_values": randn(2, 3, 8, 8, seed=seed).float(), "return_loss": True}
+
+    for model, batch_of in ((albert, classification_batch), (clip, clip_batch)):
+        batches = batch_of(1), batch_of(2)
+        keywords = {k: Constant(v) for k, v in batches[0].items()}
+        intact = untouched(Active(model), *keywords.values())
+        prepared = ad.prepare(ad.gradient, loss, Active(model), **keywords)
+        for batch in batches:
+            twin = copy.deepcopy(model)
+            names, params = zip(*trainable(twin))
+            want = dict(zip(names, torch.autograd.grad(loss(twin, **batch), params)))
+            assert_close_dicts(ad.gradient(loss, Active(model), **{k: Constant(v) for k, v in batch.items()}), want)
+            assert_close_dicts(prepared(model, **batch), want)
+        assert intact()
+
+
+def test_wav2vec2_weight_norm_in_train_mode_draws_its_masks_like_an_eager_forward():
+    """The positional conv's weight_norm parametrization, dropout (torch RNG) and SpecAugment
+    time masks (numpy's global RNG): the same draws as a raw call from the same seeds."""
+    import numpy as np
+    import transformers
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, pad_token_id=0, ctc_loss_reduction="mean", mask_time_prob=0.5,
+        mask_time_length=2,
+    )
+    model = hf_model(transformers.Wav2Vec2ForCTC, config).train()
+    assert any("parametrizations.weight.original" in n for n, _ in model.named_parameters())
+    batch = {"input_values": randn(2, 400, seed=1).float(), "labels": torch.randint(1, VOCAB, (2, 5), generator=generator(2))}
+
+    def loss(m, batch):
+        return m(**batch).loss
+
+    numpy_state = np.random.get_state()
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(7), np.random.seed(7)
+            twin = copy.deepcopy(model)
+            names, params = zip(*trainable(twin))
+            want = dict(zip(names, torch.autograd.grad(loss(twin, batch), params)))
+            after = torch.random.get_rng_state(), np.random.get_state()[1].copy()
+            torch.manual_seed(7), np.random.seed(7)
+            got = ad.gradient(loss, Active(model), Constant(batch))
+            assert torch.equal(torch.random.get_rng_state(), after[0])
+            assert np.array_equal(np.random.get_state()[1], after[1])
+    finally:
+        np.random.set_state(numpy_state)
+    assert_close_dicts(got, want)
+
+
+def test_gradient_checkpointing_in_train_mode_and_a_constant_model_with_active_embeddings():
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, sliding_window=4, pad_token_id=2, head_dim=8,
+    )
+    model = hf_model(transformers.MistralForCausalLM, config).double()
+    ids = token_ids(5)
+    batch = {"input_ids": ids, "labels": ids}
+
+    def loss(m, batch):
+        return m(**batch).loss
+
+    trained = copy.deepcopy(model).train()
+    trained.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        want = raw_gradient(loss, trained, batch)
+        torch.manual_seed(3)
+        assert_close_dicts(ad.gradient(loss, Active(trained), Constant(batch)), want)
+
+    embeddings = model.get_input_embeddings()(ids).detach()
+
+    def from_embeddings(m, e, labels):
+        return m(inputs_embeds=e, labels=labels).loss
+
+    tangent = randn(*embeddings.shape, seed=6)
+    e = embeddings.clone().requires_grad_()
+    first = torch.autograd.grad(from_embeddings(copy.deepcopy(model), e, ids), e, create_graph=True)[0]
+    intact = untouched(Constant(model), Active(embeddings))
+    got = ad.hvp(from_embeddings, Constant(model), Active(embeddings), Constant(ids), tangent=tangent)
+    torch.testing.assert_close(got, torch.autograd.grad(first, e, tangent)[0])
+    assert intact()
