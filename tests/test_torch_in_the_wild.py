@@ -957,3 +957,57 @@ def test_prepared_gradient_over_training_steps_on_library_built_modules(name):
             p.grad = got[name_].clone()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+
+_LINEAR_BACKENDS = {
+    "auto": ad.AutoTorch(),
+    "reverse-over-reverse": ad.AutoTorch(hvp_mode="reverse-over-reverse"),
+    "forward-over-reverse": ad.AutoTorch(hvp_mode="forward-over-reverse"),
+    "torch-over-torch": SecondOrder(ad.AutoTorch(), ad.AutoTorch()),
+    "fd-over-torch": SecondOrder(ad.AutoFiniteDifferences(), ad.AutoTorch()),
+}
+
+
+def _linear_problems():
+    """f linear in every Active argument: its gradient is a constant, so torch's gradient has no
+    graph and no tangent at all, and every second derivative is zero."""
+    torch.manual_seed(0)
+    x = randn(3, dtype=torch.float64)
+    embedding, ids = nn.Embedding(6, 2).double(), torch.tensor([1, 4, 4])
+    layer, batch = nn.Linear(3, 2).double(), randn(5, 3, dtype=torch.float64)
+    return {
+        "tensor": (lambda x: (2 * x).sum() + 1.0, (Active(x),)),
+        "embedding": (lambda m, i: m(i).sum(), (Active(embedding), Constant(ids))),
+        "linear layer": (lambda m, b: m(b).sum(), (Active(layer), Constant(batch))),
+    }
+
+
+@pytest.mark.parametrize("backend", list(_LINEAR_BACKENDS), ids=list(_LINEAR_BACKENDS))
+@pytest.mark.parametrize("problem", ["tensor", "embedding", "linear layer"])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_second_derivatives_of_a_function_linear_in_every_argument_are_zero(backend, problem, prepared):
+    """Once refused as "f's output does not depend on the Active argument(s)"; the gradient
+    stays torch's own."""
+    f, args = _linear_problems()[problem]
+    backend_ = _LINEAR_BACKENDS[backend]
+    value = args[0].value
+    leaves = dict(value.named_parameters()) if isinstance(value, nn.Module) else {"": value}
+    tangent = {n: torch.ones_like(p) for n, p in leaves.items()} if isinstance(value, nn.Module) else torch.ones_like(value)
+    call = (lambda op, **seeds: ad.prepare(op, f, *args, backend=backend_, **seeds)(*(a.value for a in args), **seeds)) if prepared else (
+        lambda op, **seeds: op(f, *args, backend=backend_, **seeds)
+    )
+    params = [p.detach().requires_grad_() for p in leaves.values()]
+    rest = [a.value for a in args[1:]]
+    own = (lambda *ps: torch.func.functional_call(value, dict(zip(leaves, ps)), tuple(rest))) if isinstance(value, nn.Module) else None
+    want_gradient = torch.autograd.grad((own(*params) if own else (2 * params[0]).sum()).sum(), params)
+    flat = lambda tree: list(tree.values()) if isinstance(tree, dict) else [tree]  # noqa: E731
+
+    hvp = call(ad.hvp, tangent=tangent)
+    gradient, hvp_too = call(ad.gradient_and_hvp, tangent=tangent)
+    hessian = call(ad.hessian)
+    for got in (*flat(hvp), *flat(hvp_too)):
+        assert torch.count_nonzero(got) == 0 and got.dtype == torch.float64
+    for got, want in zip(flat(gradient), want_gradient):
+        torch.testing.assert_close(got, want)
+    blocks = [block for row in flat(hessian) for block in flat(row)] if isinstance(hessian, dict) else [hessian]
+    assert blocks and all(torch.count_nonzero(block) == 0 for block in blocks)

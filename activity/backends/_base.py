@@ -183,7 +183,7 @@ class Backend:
             ys, aux, grads = self.value_and_grad(F, xs)
             return grads, (ys, aux)
 
-        return G
+        return derived_from(F, G)
 
     def derivative_function(self, F: FlatFunction, ts: Flat) -> FlatFunction:
         """``D(xs) -> (dys, (ys, aux))``: derivatives along the batch ``ts``, differentiable by an outer backend."""
@@ -192,7 +192,7 @@ class Backend:
             ys, aux, dys = self.jvp(F, xs, ts, True)
             return dys, (ys, aux)
 
-        return D
+        return derived_from(F, D)
 
     # Second-order operators differentiate an inner first-order function with an
     # outer backend; `SecondOrder` sets the two, every other backend is both.
@@ -218,6 +218,21 @@ class Backend:
 def stack_batch(items: Sequence[Flat]) -> Flat:
     """Stack a list of flat tuples leaf by leaf along a new leading axis."""
     return tuple(arrays.stack([item[j] for item in items]) for j in range(len(items[0])))
+
+
+def derived_from(F: FlatFunction, derivative: FlatFunction) -> FlatFunction:
+    """``derivative``, a derivative of ``F`` (its gradient, say) that an outer backend
+    differentiates again, marked as such: an output of it that depends on no input is a zero
+    second derivative (f linear in that input), not f's output cut from its inputs."""
+    derivative.derived = True  # type: ignore[attr-defined]
+    derivative.op_name = getattr(F, "op_name", None)  # type: ignore[attr-defined]
+    return derivative
+
+
+def cut_is_an_error(F: FlatFunction) -> bool:
+    """Whether ``F``'s outputs depending on none of its inputs is the user's mistake (f's output
+    cut from its Active arguments), not a zero derivative (see `derived_from`)."""
+    return not getattr(F, "derived", False)
 
 
 class SignatureChanged(Exception):

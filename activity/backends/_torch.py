@@ -38,7 +38,7 @@ from .._errors import add_note
 from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
-from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
+from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged, cut_is_an_error, derived_from
 from ._torch_modules import ModuleDescription, bound_view, described, lease_view, release_view
 
 
@@ -270,12 +270,14 @@ class AutoTorch(Backend):
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
         if not connected:
-            raise _disconnected(getattr(F, "op_name", None))
+            if cut_is_an_error(F):
+                raise _disconnected(getattr(F, "op_name", None))
+            return tuple(y.detach() for y in ys), aux, _zero_pull(xs)
         outputs = [ys[i] for i in connected]
 
         def one(cts: Flat) -> Flat:
             grads = _torch().autograd.grad(outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True)
-            return _zeros_for_unused(grads, xs, getattr(F, "op_name", None))
+            return _zeros_for_unused(grads, xs, getattr(F, "op_name", None), cut_is_an_error(F))
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
@@ -301,7 +303,7 @@ class AutoTorch(Backend):
             grads, (ys, aux) = torch.func.grad(_scalar_with_aux(F), has_aux=True)(xs)
             return grads, (ys, aux)
 
-        return G
+        return derived_from(F, G)
 
     # -- forward mode ---------------------------------------------------------
 
@@ -399,14 +401,15 @@ def _rng_state() -> Any:
     return _torch().get_rng_state()
 
 
-def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None) -> Flat:
-    """Zeros where a leaf is unused; an error where every leaf is (the output is cut from them)."""
+def _zeros_for_unused(grads: tuple[Any, ...], xs: Flat, op_name: str | None, cut_is_error: bool = True) -> Flat:
+    """Zeros where a leaf is unused; an error where every leaf is (the output is cut from them),
+    unless ``cut_is_error`` is False (a derivative of f, see `derived_from`)."""
     for g in grads:  # the usual case, every leaf used, in one pass
         if g is None:
             break
     else:
         return tuple(grads)
-    if all(g is None for g in grads) and any(arrays.size(x) for x in xs):
+    if cut_is_error and all(g is None for g in grads) and any(arrays.size(x) for x in xs):
         raise _disconnected(op_name)
     if any(g is None for g in grads):
         return tuple(_torch().zeros_like(x) if g is None else g for g, x in zip(grads, xs))
@@ -545,8 +548,22 @@ def _func_vjp(F: FlatFunction, xs: Flat, backend: AutoTorch) -> tuple[Flat, Any,
     return ys, aux, pull
 
 
+def _zero_pull(xs: Flat) -> Callable[[Flat, bool], Flat]:
+    """The pullback of a function whose outputs depend on none of ``xs``: zeros."""
+    torch = _torch()
+
+    def pull(cts: Flat, batched: bool) -> Flat:
+        batch = (arrays.shape(cts[0])[0],) if batched and cts else ()
+        return tuple(torch.zeros((*batch, *x.shape), dtype=x.dtype, device=x.device) for x in xs)
+
+    return pull
+
+
 def _checked_reverse(F: FlatFunction) -> FlatFunction:
     """``F`` raising where its outputs are cut from the graph (under a torch.func grad level)."""
+
+    if not cut_is_an_error(F):
+        return F
 
     def checked(xs: Flat) -> tuple[Flat, Any]:
         ys, aux = F(xs)
@@ -560,6 +577,8 @@ def _checked_reverse(F: FlatFunction) -> FlatFunction:
 def _checked_forward(F: FlatFunction) -> FlatFunction:
     """``F`` raising where no output carries a tangent (inside torch.func.jvp)."""
     unpack_dual = _torch().autograd.forward_ad.unpack_dual
+    if not cut_is_an_error(F):
+        return F
 
     def checked(xs: Flat) -> tuple[Flat, Any]:
         ys, aux = F(xs)
@@ -589,7 +608,7 @@ def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat] | N
         if dropped:
             return None
         unpacked = [forward_ad.unpack_dual(y) for y in ys]
-        if ys and all(u.tangent is None for u in unpacked) and any(arrays.size(x) for x in xs):
+        if ys and all(u.tangent is None for u in unpacked) and any(arrays.size(x) for x in xs) and cut_is_an_error(F):
             raise _disconnected(getattr(F, "op_name", None))
         dys = tuple(
             torch.zeros_like(u.primal) if u.tangent is None else u.tangent if u.tangent.dtype == u.primal.dtype else u.tangent.to(u.primal.dtype)
