@@ -183,6 +183,39 @@ def test_hooks_the_user_registered_run_and_stay_and_those_f_registers_go():
     assert [(len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks)) for m in model.modules()] == hooks
 
 
+def test_f_writing_a_parameter_outside_the_tape_is_reported_by_name():
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up in place, under no_grad: the
+    view's tape leaves share the parameter's storage, so the user's table changed silently."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        table = nn.Embedding(6, 4, max_norm=1.0, dtype=torch.float64)
+    with torch.no_grad():
+        table.weight.mul_(3)  # rows longer than max_norm
+    ids = torch.tensor([0, 2, 2, 5])
+
+    def loss(m, ids):
+        return m(ids).pow(2).sum()
+
+    want = raw_gradient(loss, table, ids)  # a deep copy, renormalized by its own forward
+    with pytest.warns(RuntimeWarning, match=r"f wrote weight of argument 0 .* in place outside the tape"):
+        got = ad.gradient(loss, Active(table), Constant(ids))
+    assert_close_dicts(got, want)
+
+    with torch.random.fork_rng():
+        clipped = small_mlp()
+
+    def clip_then_loss(x, m):
+        with torch.no_grad():
+            m[2].weight.clamp_(-0.1, 0.1)  # weight clipping inside f, on a Constant module
+        return m(x).pow(2).sum()
+
+    with pytest.warns(RuntimeWarning, match=r"f wrote 2\.weight of argument 1"):
+        ad.gradient(clip_then_loss, Active(randn(5, 3)), Constant(clipped))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ad.gradient(squared, Active(clipped), Constant(randn(5, 3)))  # f writes nothing: no warning
+
+
 # ---------------------------------------------------------------- Hugging Face models
 
 

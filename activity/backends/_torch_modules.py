@@ -23,6 +23,7 @@ import itertools
 import operator
 import sys
 import types
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -534,6 +535,52 @@ def forget_hooks_since(descriptions: Any, first: int) -> None:
                         del hooks[key]
 
 
+_VERSION = operator.attrgetter("_version")
+
+
+def tensor_versions(descriptions: Any) -> list[int]:
+    """The version counters of the described modules' parameters and buffers. A view's tape
+    leaves alias the parameters (``detach()`` shares the counter), so an in-place write by f
+    that no tape sees (under ``torch.no_grad()``) moves the user's own counter."""
+    return [
+        version
+        for description in descriptions
+        if not description.has_inference  # inference tensors have no counter; a view clones them
+        for version in map(_VERSION, description.tensors)
+    ]
+
+
+def warn_changed_tensors(described: dict[Any, Any], versions: list[int], op_name: str, label: Callable[[int], str]) -> None:
+    """Say which of the user's parameters f wrote in place (see `tensor_versions`)."""
+    changed: list[str] = []
+    index = 0
+    for (position, _), description in described.items():
+        if description.has_inference:
+            continue
+        names = [entry[0] for entry in description.layout if isinstance(entry, tuple)]
+        for name, tensor in zip(names, description.tensors):
+            if tensor._version != versions[index]:
+                changed.append(f"{name} of {label(position)}")
+            index += 1
+    warnings.warn(
+        f"activity.{op_name}: f wrote {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} in place "
+        f"outside the tape (under torch.no_grad(); nn.Embedding(max_norm=...) renormalizes the rows it looks up "
+        f"so), and the view f runs shares the parameters' storage: your module was changed, as a plain call "
+        f"would change it, and the derivatives are taken at the values f used. Keep f from writing its "
+        f"parameters (renormalize outside f, or pass a copy of the module).",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside activity and torch: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("activity", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 # The hook dicts of a module, keyed by handle id (`torch.utils.hooks.RemovableHandle`).
 _HOOK_DICTS = (
     "_backward_pre_hooks",
@@ -582,4 +629,6 @@ __all__ = [
     "forget_hooks_since",
     "lease_view",
     "release_view",
+    "tensor_versions",
+    "warn_changed_tensors",
 ]
