@@ -12,6 +12,11 @@
   ``nnx.Optimizer(model, tx, wrt=nnx.Param).update(model, grads)`` takes), and
   ``f`` gets a copy of the module rebuilt from its state on every call, so what
   ``f`` changes in it (BatchNorm statistics, RNG counts) never reaches the user's.
+  The same holds for NNX modules inside a pytree (``{"model": module, "scale": s}``,
+  a list of modules), as ``nnx.grad`` treats such an argument: each module is
+  differentiated in its ``nnx.Param`` variables and comes back as an ``nnx.State``
+  in its place, the other leaves follow the pytree rule, and a variable shared by
+  two of the modules is one parameter, listed under its first one.
 - A torch module: its parameters with ``requires_grad=True``; the torch backend's
   module descriptions (`backends._torch_modules`) implement it.
 """
@@ -23,6 +28,8 @@ from typing import Any
 
 import attrs
 import numpy as np
+
+from ._tree import flatten, unflatten
 
 
 def is_python_number(leaf: Any) -> bool:
@@ -52,15 +59,61 @@ class NNXModule:
         return f"a Flax NNX {type(module).__name__}"
 
 
+def _is_nnx_module(node: Any) -> bool:
+    return isinstance(node, sys.modules["flax.nnx"].Module)
+
+
+@attrs.frozen(eq=False)
+class NNXModulesInPytree:
+    """Flax NNX modules inside a pytree: the modules are split together (so that a variable
+    two of them share is one parameter), each replaced by its ``nnx.Param`` state; the
+    other leaves of the pytree stay where they are. The static part is the pytree's
+    structure down to the modules, where the modules are in it, and their joint graph."""
+
+    library = "flax.nnx"
+
+    def split(self, value: Any) -> tuple[Any, Any, Any]:
+        nnx = sys.modules["flax.nnx"]
+        leaves, spec = flatten(value, is_leaf=_is_nnx_module)
+        where = tuple(index for index, leaf in enumerate(leaves) if _is_nnx_module(leaf))
+        graphdef, params, rest = nnx.split([leaves[index] for index in where], nnx.Param, ...)
+        # a module whose variables all belong to an earlier one has no entry in the joint state
+        for number, index in enumerate(where):
+            leaves[index] = params[number] if number in params else nnx.State({})
+        rests = [rest[number] if number in rest else nnx.State({}) for number in range(len(where))]
+        return (spec, where, graphdef), unflatten(spec, leaves), rests
+
+    def merge(self, static: Any, params: Any, rest: Any) -> Any:
+        nnx = sys.modules["flax.nnx"]
+        spec, where, graphdef = static
+        leaves = spec.flatten_up_to(params)
+        joint = nnx.State({number: leaves[index] for number, index in enumerate(where)})
+        modules = nnx.merge(graphdef, joint, nnx.State(dict(enumerate(rest))))
+        for module, index in zip(modules, where):
+            leaves[index] = module
+        return unflatten(spec, leaves)
+
+    def result(self, static: Any, params: Any) -> Any:
+        return params  # the pytree with each module's nnx.State of gradients in its place
+
+    def describe(self, value: Any) -> str:
+        return f"a {type(value).__name__} holding Flax NNX modules"
+
+
 _NNX = NNXModule()
+_NNX_IN_PYTREE = NNXModulesInPytree()
 
 
-def adapter_for(value: Any) -> NNXModule | None:
+def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | None:
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
     nnx = sys.modules.get("flax.nnx")  # a module of a library not imported cannot be this one
-    if nnx is not None and isinstance(value, nnx.Module):
+    if nnx is None:
+        return None
+    if isinstance(value, nnx.Module):
         return _NNX
+    if any(_is_nnx_module(leaf) for leaf in flatten(value, is_leaf=_is_nnx_module)[0]):
+        return _NNX_IN_PYTREE
     return None
 
 
-__all__ = ["is_python_number", "adapter_for", "NNXModule"]
+__all__ = ["is_python_number", "adapter_for", "NNXModule", "NNXModulesInPytree"]

@@ -227,13 +227,14 @@ def _learn_type(value: Any) -> bool:
 LEAF = optree.tree_structure(0, namespace=NAMESPACE)  # type: ignore[arg-type]  # the structure of any single leaf
 
 
-def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
-    """Leaves and structure of ``tree``; ``None`` is an empty node, not a leaf."""
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Leaves and structure of ``tree``; ``None`` is an empty node, not a leaf. With
+    ``is_leaf``, a node it answers True for is a leaf, not flattened further."""
     while True:
-        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf, namespace=NAMESPACE)
         learned = False
         for leaf in leaves:
-            if type(leaf) not in _node_types:
+            if type(leaf) not in _node_types and not (is_leaf is not None and is_leaf(leaf)):
                 learned |= _learn_type(leaf)
         if not learned:
             return leaves, spec

@@ -83,6 +83,54 @@ def test_f_computing_in_float32_is_reported():
         ad.gradient(lambda x: (x**2).sum(), Active(x), backend=FD)  # float64 throughout: no warning
 
 
+def test_a_jax_f_computing_in_float32_is_reported():
+    """On JAX the reference evaluates f compiled, on the host, in float64: f's own float32 output
+    was once converted before the check saw it, and the warning never came."""
+    import jax.numpy as jnp
+
+    x = jnp.ones(3)
+    with pytest.warns(ReferencePrecisionWarning, match="float32"):
+        ad.gradient(lambda x: jnp.sum(x.astype(jnp.float32) ** 2), Active(x), backend=FD)
+    with pytest.warns(ReferencePrecisionWarning, match="activity.pushforward"):
+        ad.pushforward(lambda x: jnp.sum(x.astype(jnp.float32) ** 2), Active(x), tangent=jnp.ones(3), backend=FD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReferencePrecisionWarning)
+        ad.gradient(lambda x: jnp.sum(x**2), Active(x), backend=FD)  # float64 throughout: no warning
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_steps_stop_where_f_rounds_to_float32(framework):
+    """The derivative of f that rounds to float32 inside is as good as float32 allows (about
+    1e-5 here): Ridders' smaller steps once made it differences of rounding noise (about 1e-3)."""
+    x = np.array([0.3, -1.2, 2.0, 0.7])
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        f, value = (lambda x: jnp.sum(jnp.sin(x.astype(jnp.float32)) * 3.0)), jnp.asarray(x)
+    else:
+        f, value = (lambda x: (torch.sin(x.float()) * 3.0).sum()), torch.tensor(x)
+    want = 3 * np.cos(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReferencePrecisionWarning)
+        got = host(ad.gradient(f, Active(value), backend=FD))
+        pushed = float(host(ad.pushforward(f, Active(value), tangent=value * 0 + 1, backend=FD)))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert abs(pushed - want.sum()) <= 1e-4 * np.abs(want).sum()
+
+
+def test_the_kit_does_not_blame_a_backend_for_a_flax_layer_that_computes_in_float32():
+    """nnx.Embed casts its table to its own dtype (float32), so the float64 reference computes in
+    float32: `check` passes AutoJAX or says the reference is unreliable, never fails it."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from activity.testing import check
+
+    layer = nnx.Embed(6, 3, rngs=nnx.Rngs(0))
+    report = check(lambda m, i: jnp.sum(m(i)), Active(layer), Constant(jnp.array([1, 2, 2])))
+    assert not report.failed, report
+
+
 def test_a_cache_is_fresh_for_every_evaluation():
     def f(x, buffer):
         buffer += x  # accumulates if the same buffer were reused between evaluations

@@ -184,9 +184,14 @@ class AutoFiniteDifferences(Backend):
                     F.traced.out_spec, F.traced.aux_static = compiled.traced.out_spec, compiled.traced.aux_static  # type: ignore[attr-defined]
             if ys is None:
                 ys, aux = F(tuple(jax.numpy.asarray(x) for x in xs_))
+            if evaluate.low_precision is None:  # type: ignore[attr-defined]
+                evaluate.low_precision = _low_precision(ys)  # type: ignore[attr-defined]
             return tuple(np.asarray(y, dtype=np.float64) for y in ys), aux
 
         evaluate.on_host = True  # type: ignore[attr-defined]
+        evaluate.op_name = getattr(F, "op_name", None)  # type: ignore[attr-defined]
+        # f's own output dtypes, before they become float64 on the host (for `_warn_if_low_precision`)
+        evaluate.low_precision = None  # type: ignore[attr-defined]
         return evaluate
 
     # -- primitives ------------------------------------------------------------
@@ -196,7 +201,10 @@ class AutoFiniteDifferences(Backend):
             return self._loop_jvp(F, xs, ts)
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
-        _warn_if_low_precision(ys, getattr(F, "op_name", None))
+        low = _warn_if_low_precision(F, ys)
+        # Where f rounds to a lower precision, steps below about eps**(1/3) of it give differences
+        # of rounding noise (the central difference's best step): the steps stop there.
+        smallest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) ** (1 / 3) for d in low), default=0.0)
         ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
         if scale == 0.0:
@@ -204,7 +212,7 @@ class AutoFiniteDifferences(Backend):
         direction = tuple(t / scale for t in ts)
         # Two evaluations closer than the outputs' precision compare equal: a difference at step h
         # is known to no better than this over h, however well the steps agree with each other.
-        resolution = _resolution(ys)
+        resolution = _resolution(ys, low)
 
         raised: list[BaseException] = []
 
@@ -225,12 +233,12 @@ class AutoFiniteDifferences(Backend):
         best: Flat | None
         best, best_error, step = None, math.inf, self.step
         for _ in range(self.retries):
-            estimate, error, rounded = self._ridders(central, step, resolution)
+            estimate, error, rounded = self._ridders(central, step, resolution, smallest)
             if best is None or error < best_error:
                 best, best_error = estimate, error
             # Converged, or limited by the outputs' rounding, which smaller steps only make larger
             # (at steps too small to move f at all, every difference is 0 and would look converged).
-            if math.isfinite(error) and (error <= 1e-11 * _max_abs(estimate) or rounded):
+            if math.isfinite(error) and (error <= 1e-11 * _max_abs(estimate) or rounded) or step / 10 < smallest:
                 break
             step /= 10
         if raised and not math.isfinite(best_error):
@@ -249,16 +257,21 @@ class AutoFiniteDifferences(Backend):
             columns.append(dys)
         return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
 
-    def _ridders(self, central: Callable[[float], Flat], step: float, resolution: float = 0.0) -> tuple[Flat, float, bool]:
-        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method): the estimate, its
-        error, and whether that error is the rounding floor ``resolution / h`` (f's outputs are
-        known to ``resolution``) rather than the disagreement between steps."""
+    def _ridders(
+        self, central: Callable[[float], Flat], step: float, resolution: float = 0.0, smallest: float = 0.0
+    ) -> tuple[Flat, float, bool]:
+        """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method), with steps no
+        smaller than ``smallest``: the estimate, its error, and whether that error is the rounding
+        floor ``resolution / h`` (f's outputs are known to ``resolution``) rather than the
+        disagreement between steps."""
         factor = self.shrink**2
         previous_row = [central(step)]
         best, best_error, rounded = previous_row[0], math.inf, False
         h = step
         for _ in range(1, self.max_steps):
             h /= self.shrink
+            if h < smallest:
+                break
             row = [central(h)]
             weight = factor
             floor = resolution / h
@@ -337,10 +350,24 @@ def _compiled_for(F: Any) -> _Compiled:
     return entry
 
 
-def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
+# The rounding unit of each floating dtype below float64, by name (numpy has no bfloat16)
+_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
+
+
+def _low_precision(ys: Flat) -> list[str]:
+    """The floating dtypes below float64 among ``ys``."""
+    return sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
+
+
+def _warn_if_low_precision(F: FlatFunction, ys: Flat) -> list[str]:
     """Differences of float32 values cannot give a float64 derivative: say so (the testing kit
-    reports the reference unreliable instead of blaming the backend it checks)."""
-    low = sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
+    reports the reference unreliable instead of blaming the backend it checks). A function
+    evaluated on the host returns float64 arrays: it recorded f's own dtypes. Returns them."""
+    from ._jax import caller_stacklevel  # imports no framework
+    low: list[str] | None = getattr(F, "low_precision", None)
+    if low is None:
+        low = _low_precision(ys)
+    op_name = getattr(F, "op_name", None)
     if low:
         warnings.warn(
             f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f returned {', '.join(low)} "
@@ -348,20 +375,23 @@ def _warn_if_low_precision(ys: Flat, op_name: str | None) -> None:
             f"rounding error (a .float() call, a float32 parameter or constant inside f?). Keep f in float64, "
             f"or compare against an AD backend instead.",
             ReferencePrecisionWarning,
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )
+    return low
 
 
-def _resolution(ys: Flat) -> float:
+def _resolution(ys: Flat, low: list[str]) -> float:
     """How far apart two evaluations of f must be to differ in its floating outputs: each output's
-    machine epsilon times its largest magnitude (0 when none is finite: no floor to apply)."""
+    machine epsilon times its largest magnitude (0 when none is finite: no floor to apply).
+    ``low``: f's own dtypes below float64, where its outputs were made float64 on the host."""
+    coarsest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) for d in low), default=0.0)
     widest = 0.0
     for y in ys:
         if arrays.dtype_kind(y) != "f" or not arrays.size(y):
             continue
         size = _max_abs((y,))
         if math.isfinite(size):
-            widest = max(widest, _epsilon(y) * size)
+            widest = max(widest, max(_epsilon(y), coarsest) * size)
     return widest
 
 

@@ -482,8 +482,10 @@ def _stale_reason(leaf: Any) -> str | None:
         mutable = True
     else:
         try:
-            vars(leaf)
+            state = vars(leaf)
         except TypeError:  # no attributes to set: numbers, strings, dtypes
+            return None
+        if not state:  # a marker object (Equinox's SharedNode): f cannot have read anything from it
             return None
         mutable = cls.__hash__ is None or cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
     if not mutable:
