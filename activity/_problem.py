@@ -691,6 +691,21 @@ class Problem:
     def call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
         traceback, with a note saying where."""
+        if self._described:  # torch modules among the arguments: see `forget_hooks_since`, `tensor_versions`
+            from .backends._torch_modules import forget_hooks_since, tensor_versions, warn_changed_tensors
+
+            hooks = sys.modules["torch.utils.hooks"].RemovableHandle
+            first, versions = hooks.next_id, tensor_versions(self._described.values())
+            try:
+                return self._call(f, values)
+            finally:
+                if hooks.next_id != first:
+                    forget_hooks_since(self._described.values(), first)
+                if tensor_versions(self._described.values()) != versions:
+                    warn_changed_tensors(self._described, versions, self.op_name, self.label)
+        return self._call(f, values)
+
+    def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         try:
             if self.keywords:
                 n = self.n_positional

@@ -241,7 +241,33 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
 
 
 def unflatten(spec: optree.PyTreeSpec, leaves: Any) -> Any:
-    return optree.tree_unflatten(spec, leaves)
+    try:
+        return optree.tree_unflatten(spec, leaves)
+    except Exception:
+        # A namedtuple whose own __new__ validates its fields (torch's PackedSequence) refuses
+        # the None a result holds at its non-floating leaves: build such nodes as the
+        # namedtuple's own _make does, without __new__ (as `_builder` builds fields nodes).
+        if not any(node.kind == optree.PyTreeKind.NAMEDTUPLE and node.type.__new__ is not tuple.__new__ for node in _nodes(spec)):
+            raise
+        return _unflatten_without_new(spec, iter(leaves))
+
+
+def _nodes(spec: optree.PyTreeSpec) -> list[optree.PyTreeSpec]:
+    found, pending = [], [spec]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        pending.extend(node.children())
+    return found
+
+
+def _unflatten_without_new(spec: optree.PyTreeSpec, leaves: Any) -> Any:
+    if spec.is_leaf():
+        return next(leaves)
+    children = [_unflatten_without_new(child, leaves) for child in spec.children()]
+    if spec.kind == optree.PyTreeKind.NAMEDTUPLE:
+        return tuple.__new__(spec.type, children)  # type: ignore[arg-type]  # a namedtuple node has its type
+    return spec.one_level().unflatten(children)  # type: ignore[union-attr]  # a node has one level
 
 
 def leaf_paths(tree: Any, prefix: str = "") -> list[str]:

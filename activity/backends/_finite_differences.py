@@ -240,6 +240,9 @@ class AutoFiniteDifferences(Backend):
         if scale == 0.0:
             return ys, aux, tuple(arrays.zeros_like(_to_float64(y)) for y in ys)
         direction = tuple(t / scale for t in ts)
+        # Two evaluations closer than the outputs' precision compare equal: a difference at step h
+        # is known to no better than this over h, however well the steps agree with each other.
+        resolution = _resolution(ys, low)
 
         raised: list[BaseException] = []
 
@@ -260,10 +263,12 @@ class AutoFiniteDifferences(Backend):
         best: Flat | None
         best, best_error, step = None, math.inf, self.step
         for _ in range(self.retries):
-            estimate, error = self._ridders(central, step, smallest)
+            estimate, error, rounded = self._ridders(central, step, resolution, smallest)
             if best is None or error < best_error:
                 best, best_error = estimate, error
-            if math.isfinite(error) and error <= 1e-11 * _max_abs(estimate) or step / 10 < smallest:
+            # Converged, or limited by the outputs' rounding, which smaller steps only make larger
+            # (at steps too small to move f at all, every difference is 0 and would look converged).
+            if math.isfinite(error) and (error <= 1e-11 * _max_abs(estimate) or rounded) or step / 10 < smallest:
                 break
             step /= 10
         if raised and not math.isfinite(best_error):
@@ -282,12 +287,16 @@ class AutoFiniteDifferences(Backend):
             columns.append(dys)
         return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
 
-    def _ridders(self, central: Callable[[float], Flat], step: float, smallest: float = 0.0) -> tuple[Flat, float]:
+    def _ridders(
+        self, central: Callable[[float], Flat], step: float, resolution: float = 0.0, smallest: float = 0.0
+    ) -> tuple[Flat, float, bool]:
         """Richardson-extrapolate ``central(h)`` to ``h -> 0`` (Ridders' method), with steps no
-        smaller than ``smallest``: estimate and error."""
+        smaller than ``smallest``: the estimate, its error, and whether that error is the rounding
+        floor ``resolution / h`` (f's outputs are known to ``resolution``) rather than the
+        disagreement between steps."""
         factor = self.shrink**2
         previous_row = [central(step)]
-        best, best_error = previous_row[0], math.inf
+        best, best_error, rounded = previous_row[0], math.inf, False
         h = step
         for _ in range(1, self.max_steps):
             h /= self.shrink
@@ -295,19 +304,21 @@ class AutoFiniteDifferences(Backend):
                 break
             row = [central(h)]
             weight = factor
+            floor = resolution / h
             for j in range(1, len(previous_row) + 1):
                 row.append(tuple((a * weight - b) / (weight - 1) for a, b in zip(row[j - 1], previous_row[j - 1])))
                 weight *= factor
-                error = max(
+                spread = max(
                     _max_abs(tuple(a - b for a, b in zip(row[j], row[j - 1]))),
                     _max_abs(tuple(a - b for a, b in zip(row[j], previous_row[j - 1]))),
                 )
+                error = max(spread, floor)
                 if error <= best_error:
-                    best, best_error = row[j], error
+                    best, best_error, rounded = row[j], error, floor >= spread
             if _max_abs(tuple(a - b for a, b in zip(row[-1], previous_row[-1]))) >= 2 * best_error:
                 break  # higher orders are dominated by rounding: stop
             previous_row = row
-        return best, best_error
+        return best, best_error, rounded
 
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         xs = _for(F, xs)
@@ -447,6 +458,33 @@ def _warn_if_unreliable(F: FlatFunction, ys: Flat) -> list[str]:
             stacklevel=caller_stacklevel(),
         )
     return low
+
+
+def _resolution(ys: Flat, low: list[str]) -> float:
+    """How far apart two evaluations of f must be to differ in its floating outputs: each output's
+    machine epsilon times its largest magnitude (0 when none is finite: no floor to apply).
+    ``low``: f's own dtypes below float64, where its outputs were made float64 on the host."""
+    coarsest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) for d in low), default=0.0)
+    widest = 0.0
+    for y in ys:
+        if arrays.dtype_kind(y) != "f" or not arrays.size(y):
+            continue
+        size = _max_abs((y,))
+        if math.isfinite(size):
+            widest = max(widest, max(_epsilon(y), coarsest) * size)
+    return widest
+
+
+def _epsilon(y: Any) -> float:
+    if arrays.is_torch(y):
+        return float(sys.modules["torch"].finfo(y.dtype).eps)
+    try:
+        return float(np.finfo(np.dtype(y.dtype)).eps)
+    except (TypeError, ValueError):  # ml_dtypes' bfloat16, float8: numpy does not know their precision
+        return 2.0 ** -(_MANTISSA_BITS.get(_bits(y), 2))
+
+
+_MANTISSA_BITS = {16: 7, 32: 23, 64: 52}  # the narrowest of each width (bfloat16 among the 16-bit ones)
 
 
 def _bits(y: Any) -> int:

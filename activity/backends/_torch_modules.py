@@ -23,6 +23,7 @@ import itertools
 import operator
 import sys
 import types
+import warnings
 import weakref
 from typing import Any, Callable
 
@@ -135,12 +136,25 @@ def describe_module(module: Any) -> ModuleDescription:
         if id(m) in seen:
             return
         seen.add(id(m))
+        if isinstance(m, script_module):
+            raise UnsupportedError(
+                f"activity: {_where(prefix, m)} is a TorchScript module (made by torch.jit.script, torch.jit.trace "
+                f"or torch.jit.load). Its parameters and buffers live in the compiled module, where activity "
+                f"cannot put the tensors it differentiates nor copies of the buffers. Pass the eager module it "
+                f"was made from (script or trace it afterwards), or use torch.compile, which activity follows."
+            )
         modules.append(m)
         layout.append(type(m))
         slot_dicts.extend((m._parameters, m._buffers, m._modules))
         for key, p in m._parameters.items():
             if p is None or id(p) in seen:
                 continue
+            if is_lazy(p):
+                raise UnsupportedError(
+                    f"activity: the parameter {prefix + key} is not initialized yet (a lazy module such as "
+                    f"nn.LazyLinear: its shape is known after its first forward pass). Run the module once on "
+                    f"an input of the right shape before differentiating it."
+                )
             seen.add(id(p))
             layout.append((prefix + key, p.shape, p.dtype, p.device, p.requires_grad))
             tensors.append(p)
@@ -155,6 +169,8 @@ def describe_module(module: Any) -> ModuleDescription:
             if child is not None:
                 visit(child, prefix + key + ".")
 
+    torch = sys.modules["torch"]
+    script_module, is_lazy = torch.jit.ScriptModule, torch.nn.parameter.is_lazy
     visit(module, "")
     has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
     names_of = _module_names(module)
@@ -189,6 +205,10 @@ def describe_module(module: Any) -> ModuleDescription:
         ),
         redirected=redirected,
     )
+
+
+def _where(prefix: str, module: Any) -> str:
+    return f"the submodule {prefix[:-1]}" if prefix else f"the module ({type(module).__name__})"
 
 
 _RECENT: dict[int, ModuleDescription] = {}  # id(module) -> its latest description, while it lives
@@ -491,6 +511,92 @@ class ReusedView:
         return True
 
 
+def forget_hooks_since(descriptions: Any, first: int) -> None:
+    """Remove the hooks registered from handle id ``first`` on in the described modules.
+
+    A view shares its original's hook dicts (f runs the user's hooks), so a hook that f
+    registers on a view lands in the user's module, while an attribute f sets on the view
+    does not: Hugging Face installs its output-capturing hooks on a model's first forward and
+    marks the model, and a first forward inside activity left the hooks without the mark, so
+    the next forward installed them again (every hidden state captured twice, a wrong
+    ``last_hidden_state``). Called when f has registered a hook (``RemovableHandle.next_id``
+    moved), after f and before the backward pass, whose hooks the forward pass has captured.
+    """
+    for description in descriptions:
+        for module_ref in description.module_refs:
+            module = module_ref()
+            if module is None:
+                continue
+            state = module.__dict__
+            for name in _HOOK_DICTS:
+                hooks = state.get(name)
+                if hooks:
+                    for key in [key for key in hooks if isinstance(key, int) and key >= first]:
+                        del hooks[key]
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def tensor_versions(descriptions: Any) -> list[int]:
+    """The version counters of the described modules' parameters and buffers. A view's tape
+    leaves alias the parameters (``detach()`` shares the counter), so an in-place write by f
+    that no tape sees (under ``torch.no_grad()``) moves the user's own counter."""
+    return [
+        version
+        for description in descriptions
+        if not description.has_inference  # inference tensors have no counter; a view clones them
+        for version in map(_VERSION, description.tensors)
+    ]
+
+
+def warn_changed_tensors(described: dict[Any, Any], versions: list[int], op_name: str, label: Callable[[int], str]) -> None:
+    """Say which of the user's parameters f wrote in place (see `tensor_versions`)."""
+    changed: list[str] = []
+    index = 0
+    for (position, _), description in described.items():
+        if description.has_inference:
+            continue
+        names = [entry[0] for entry in description.layout if isinstance(entry, tuple)]
+        for name, tensor in zip(names, description.tensors):
+            if tensor._version != versions[index]:
+                changed.append(f"{name} of {label(position)}")
+            index += 1
+    warnings.warn(
+        f"activity.{op_name}: f wrote {', '.join(changed[:3])}{' and more' if len(changed) > 3 else ''} in place "
+        f"outside the tape (under torch.no_grad(); nn.Embedding(max_norm=...) renormalizes the rows it looks up "
+        f"so), and the view f runs shares the parameters' storage: your module was changed, as a plain call "
+        f"would change it, and the derivatives are taken at the values f used. Keep f from writing its "
+        f"parameters (renormalize outside f, or pass a copy of the module).",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside activity and torch: the user's call."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("activity", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+# The hook dicts of a module, keyed by handle id (`torch.utils.hooks.RemovableHandle`).
+_HOOK_DICTS = (
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
 _IDLE_VIEWS = 4  # per description: enough for a few threads or nested calls at once
 
 
@@ -514,4 +620,15 @@ def release_view(module: ModuleDescription, view: ReusedView) -> None:
         module.reused.append(view)
 
 
-__all__ = ["ModuleDescription", "ReusedView", "bound_view", "describe_module", "described", "lease_view", "release_view"]
+__all__ = [
+    "ModuleDescription",
+    "ReusedView",
+    "bound_view",
+    "describe_module",
+    "described",
+    "forget_hooks_since",
+    "lease_view",
+    "release_view",
+    "tensor_versions",
+    "warn_changed_tensors",
+]

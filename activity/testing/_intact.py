@@ -21,10 +21,14 @@ def _copy(leaf: Any) -> Any:
             {k: v.detach().clone() for k, v in leaf.state_dict(keep_vars=True).items()},
             [(p.requires_grad, None if p.grad is None else p.grad.clone()) for p in leaf.parameters()],
             [m.training for m in leaf.modules()],
+            [tuple(len(getattr(m, name, ())) for name in _HOOKS) for m in leaf.modules()],
         )
     if arrays.is_array(leaf):
         return ("array", np.array(leaf, copy=True))
     return ("other", leaf)
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
 def _same(before: Any, leaf: Any) -> bool:
@@ -44,7 +48,7 @@ def _same(before: Any, leaf: Any) -> bool:
     if kind == "module":
         import torch
 
-        if before[1].keys() != now[1].keys() or before[3] != now[3]:
+        if before[1].keys() != now[1].keys() or before[3] != now[3] or before[4] != now[4]:  # [4]: hooks added or removed
             return False
         if not all(torch.equal(before[1][k], now[1][k]) for k in before[1]):
             return False
