@@ -333,6 +333,7 @@ class Problem:
         self.module_names: dict[tuple[int, int], list[str]] = {}
         self.module_unselected: dict[tuple[int, int], list[str]] = {}  # a where= left them out
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
+        self._watched = False  # whether f has run on these arguments (see `call`)
         self.arrays_only: bool = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
@@ -691,18 +692,12 @@ class Problem:
     def call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
         traceback, with a note saying where."""
-        if self._described:  # torch modules among the arguments: see `forget_hooks_since`, `tensor_versions`
-            from .backends._torch_modules import forget_hooks_since, tensor_versions, warn_changed_tensors
-
-            hooks = sys.modules["torch.utils.hooks"].RemovableHandle
-            first, versions = hooks.next_id, tensor_versions(self._described.values())
-            try:
-                return self._call(f, values)
-            finally:
-                if hooks.next_id != first:
-                    forget_hooks_since(self._described.values(), first)
-                if tensor_versions(self._described.values()) != versions:
-                    warn_changed_tensors(self._described, versions, self.op_name, self.label)
+        if self._described:  # torch modules among the arguments (their module made the descriptions)
+            watched_call = sys.modules["activity.backends._torch_modules"].watched_call
+            # Writes outside the tape are looked for on the first call only: a warning is shown
+            # once per place anyway, and the check costs a microsecond on every prepared call.
+            first, self._watched = not self._watched, True
+            return watched_call(self._described, self._call, f, values, self.op_name, self.label, first)
         return self._call(f, values)
 
     def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:

@@ -542,12 +542,34 @@ def tensor_versions(descriptions: Any) -> list[int]:
     """The version counters of the described modules' parameters and buffers. A view's tape
     leaves alias the parameters (``detach()`` shares the counter), so an in-place write by f
     that no tape sees (under ``torch.no_grad()``) moves the user's own counter."""
-    return [
-        version
-        for description in descriptions
-        if not description.has_inference  # inference tensors have no counter; a view clones them
-        for version in map(_VERSION, description.tensors)
-    ]
+    versions: list[int] = []
+    for description in descriptions:
+        if not description.has_inference:  # inference tensors have no counter; a view clones them
+            versions.extend(map(_VERSION, description.tensors))
+    return versions
+
+
+def watched_call(
+    described: dict[Any, Any], call: Callable[..., Any], f: Any, values: Any, op_name: str, label: Callable[[int], str],
+    check_writes: bool,
+) -> Any:
+    """``call(f, values)`` where f's arguments hold torch modules: hooks f registers on their
+    views are taken off again (`forget_hooks_since`); with ``check_writes``, writes f makes to
+    their tensors outside the tape are warned of (`tensor_versions`)."""
+    handles, descriptions = _HANDLES[0], described.values()
+    if handles is None:
+        handles = _HANDLES[0] = sys.modules["torch.utils.hooks"].RemovableHandle
+    first, versions = handles.next_id, tensor_versions(descriptions) if check_writes else None
+    try:
+        return call(f, values)
+    finally:
+        if handles.next_id != first:
+            forget_hooks_since(descriptions, first)
+        if versions is not None and tensor_versions(descriptions) != versions:
+            warn_changed_tensors(described, versions, op_name, label)
+
+
+_HANDLES: list[Any] = [None]  # torch.utils.hooks.RemovableHandle, whose next_id counts every hook registered
 
 
 def warn_changed_tensors(described: dict[Any, Any], versions: list[int], op_name: str, label: Callable[[int], str]) -> None:
