@@ -334,6 +334,7 @@ class Problem:
         self.module_unselected: dict[tuple[int, int], list[str]] = {}  # a where= left them out
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
         self._watched = False  # whether f has run on these arguments (see `call`)
+        self._hook_handles: Any = None  # torch.utils.hooks.RemovableHandle, once f has run
         self.arrays_only: bool = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
@@ -691,13 +692,23 @@ class Problem:
 
     def call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
-        traceback, with a note saying where."""
-        if self._described:  # torch modules among the arguments (their module made the descriptions)
-            watched_call = sys.modules["activity.backends._torch_modules"].watched_call
-            # Writes outside the tape are looked for on the first call only: a warning is shown
-            # once per place anyway, and the check costs a microsecond on every prepared call.
-            first, self._watched = not self._watched, True
-            return watched_call(self._described, self._call, f, values, self.op_name, self.label, first)
+        traceback, with a note saying where. Where the arguments hold torch modules, hooks f
+        registers on them are taken off again, and on the first call writes f makes to their
+        tensors outside the tape are warned of (`backends._torch_modules.watched_call`)."""
+        described = self._described
+        if described:
+            if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
+                self._watched = True
+                watch = sys.modules["activity.backends._torch_modules"]
+                self._hook_handles = watch.hook_handles()
+                return watch.watched_call(described, self._call, f, values, self.op_name, self.label, True)
+            handles = self._hook_handles
+            first = handles.next_id  # counts every hook torch registers
+            try:
+                return self._call(f, values)
+            finally:
+                if handles.next_id != first:
+                    sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
         return self._call(f, values)
 
     def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:

@@ -556,9 +556,7 @@ def watched_call(
     """``call(f, values)`` where f's arguments hold torch modules: hooks f registers on their
     views are taken off again (`forget_hooks_since`); with ``check_writes``, writes f makes to
     their tensors outside the tape are warned of (`tensor_versions`)."""
-    handles, descriptions = _HANDLES[0], described.values()
-    if handles is None:
-        handles = _HANDLES[0] = sys.modules["torch.utils.hooks"].RemovableHandle
+    handles, descriptions = hook_handles(), described.values()
     first, versions = handles.next_id, tensor_versions(descriptions) if check_writes else None
     try:
         return call(f, values)
@@ -569,7 +567,9 @@ def watched_call(
             warn_changed_tensors(described, versions, op_name, label)
 
 
-_HANDLES: list[Any] = [None]  # torch.utils.hooks.RemovableHandle, whose next_id counts every hook registered
+def hook_handles() -> Any:
+    """torch's hook handle class, whose ``next_id`` counts every hook registered."""
+    return sys.modules["torch.utils.hooks"].RemovableHandle
 
 
 def warn_changed_tensors(described: dict[Any, Any], versions: list[int], op_name: str, label: Callable[[int], str]) -> None:
