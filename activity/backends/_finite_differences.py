@@ -92,6 +92,27 @@ class ReferenceRandomnessWarning(ReferenceUnreliableWarning):
     )
 
 
+class ReferenceNondeterminismWarning(ReferenceUnreliableWarning):
+    """``f`` returned different values for the same inputs: its differences are partly noise."""
+
+    reason = (
+        "f returns different values on the same inputs (random numbers from a generator of its own, "
+        "a clock, a nondeterministic kernel), so its finite differences measure that noise; make f "
+        "deterministic for the check (seed the generator inside f), or pass reference=<an AD backend>"
+    )
+
+
+class ReferenceKinkWarning(ReferenceUnreliableWarning):
+    """``f`` has a kink at the point (or closer to it than the smallest step): no step sees it smooth."""
+
+    reason = (
+        "f is not differentiable at this point, or has a kink closer to it than the reference's "
+        "smallest step (a ReLU or abs at 0, tied maxima, a clip at its bound): the finite "
+        "differences average the slopes on either side, where an AD backend picks one by its "
+        "own convention; move the point off the kink, or pass reference=<an AD backend>"
+    )
+
+
 @attrs.frozen
 class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
@@ -191,7 +212,7 @@ class AutoFiniteDifferences(Backend):
 
     def wrap_function(self, F: FlatFunction, xs: Flat) -> FlatFunction:
         if not any(arrays.is_jax(x) for x in xs):
-            return F
+            return _same_draws(F)
         # Hundreds of evaluations of one function: compile it once (unless it cannot be traced),
         # and do the difference arithmetic in numpy, where small operations are cheap.
         jax = sys.modules["jax"]
@@ -231,7 +252,7 @@ class AutoFiniteDifferences(Backend):
             return self._loop_jvp(F, xs, ts)
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
-        low = _warn_if_unreliable(F, ys)
+        low = _warn_if_unreliable(F, ys, xs)
         # Where f rounds to a lower precision, steps below about eps**(1/3) of it give differences
         # of rounding noise (the central difference's best step): the steps stop there.
         smallest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) ** (1 / 3) for d in low), default=0.0)
@@ -245,6 +266,10 @@ class AutoFiniteDifferences(Backend):
         resolution = _resolution(ys, low)
 
         raised: list[BaseException] = []
+        ys64 = tuple(_to_float64(y) for y in ys)
+        # Half the jump between the one-sided slopes at each step of the current start (for
+        # `_kinked`): it shrinks with the step where f is smooth, and stays where f has a kink.
+        bends: list[tuple[float, Flat]] = []
 
         def central(h: float) -> Flat:
             # A trial step may leave f's domain (nan, or f raising, as binary_cross_entropy does
@@ -256,16 +281,20 @@ class AutoFiniteDifferences(Backend):
             except Exception as error:  # noqa: BLE001 - re-raised below if every step fails
                 raised.append(error)
                 return tuple(arrays.zeros_like(_to_float64(y)) * math.nan for y in ys)
-            return tuple((_to_float64(p) - _to_float64(m)) / (2 * h) for p, m in zip(plus, minus))
+            plus, minus = tuple(_to_float64(p) for p in plus), tuple(_to_float64(m) for m in minus)
+            with np.errstate(all="ignore"):  # inf - inf where an output is infinite: nan, as it should
+                bends.append((h, tuple((p - 2 * y + m) / (2 * h) for p, y, m in zip(plus, ys64, minus))))
+                return tuple((p - m) / (2 * h) for p, m in zip(plus, minus))
 
         # A first step too large for the function's scale or domain (log near 0) shows as a large
         # error estimate or nan: start again ten times smaller, keep the best estimate.
         best: Flat | None
-        best, best_error, step = None, math.inf, self.step
+        best, best_error, best_bends, step = None, math.inf, [], self.step
         for _ in range(self.retries):
+            bends.clear()
             estimate, error, rounded = self._ridders(central, step, resolution, smallest)
             if best is None or error < best_error:
-                best, best_error = estimate, error
+                best, best_error, best_bends = estimate, error, list(bends)
             # Converged, or limited by the outputs' rounding, which smaller steps only make larger
             # (at steps too small to move f at all, every difference is 0 and would look converged).
             if math.isfinite(error) and (error <= 1e-11 * _max_abs(estimate) or rounded) or step / 10 < smallest:
@@ -273,6 +302,18 @@ class AutoFiniteDifferences(Backend):
             step /= 10
         if raised and not math.isfinite(best_error):
             raise raised[-1]  # no step stayed inside f's domain: f's own error, as it raised it
+        if _kinked(best_bends, best, resolution):  # type: ignore[arg-type]
+            from ._jax import caller_stacklevel  # imports no framework
+
+            warnings.warn(
+                f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f is not "
+                f"differentiable at this point, or has a kink closer to it than the smallest step tried (a ReLU "
+                f"or abs at 0, tied maxima, a clip at its bound, a rounding step): its slopes on either side "
+                f"differ, so the finite differences give their average, where an AD backend picks a side by its "
+                f"own convention. Move the point off the kink, or compare against an AD backend instead.",
+                ReferenceKinkWarning,
+                stacklevel=caller_stacklevel(),
+            )
         return ys, aux, tuple(e * scale for e in best)  # type: ignore[union-attr]
 
     def _loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
@@ -331,7 +372,7 @@ class AutoFiniteDifferences(Backend):
             cts64 = tuple(_to_float64(c) for c in _for(F, cts))
             if not batched:
                 cts64 = tuple(c[None] for c in cts64)
-            rows = arrays.concat_flat(list(cts64)) @ jacobian[0]
+            rows = _weighted_rows(arrays.concat_flat(list(cts64)), jacobian[0])
             grads = [
                 arrays.reshape(block, (arrays.shape(rows)[0], *arrays.shape(x)))
                 for block, x in zip(arrays.split_columns(rows, [arrays.size(x) for x in xs]), xs)
@@ -429,11 +470,12 @@ def _low_precision(ys: Flat) -> list[str]:
     return sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
 
 
-def _warn_if_unreliable(F: FlatFunction, ys: Flat) -> list[str]:
+def _warn_if_unreliable(F: FlatFunction, ys: Flat, xs: Flat) -> list[str]:
     """Differences of float32 values cannot give a float64 derivative: say so (the testing kit
     reports the reference unreliable instead of blaming the backend it checks). A function
     evaluated on the host returns float64 arrays: it recorded f's own dtypes. Returns them.
-    Also says so where the float64 mode changed f's random draws."""
+    Also says so where the float64 mode changed f's random draws, and where f, evaluated again
+    at ``xs``, returns other values than ``ys``."""
     from ._jax import caller_stacklevel  # imports no framework
     low: list[str] | None = getattr(F, "low_precision", None)
     if low is None:
@@ -455,6 +497,15 @@ def _warn_if_unreliable(F: FlatFunction, ys: Flat) -> list[str]:
             f"draws f makes outside it (a dropout mask, say): the reference differentiates another function. "
             f"Draw with an explicit dtype, or compare against an AD backend instead.",
             ReferenceRandomnessWarning,
+            stacklevel=caller_stacklevel(),
+        )
+    elif _varies(F, xs, ys):
+        warnings.warn(
+            f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f returned different values "
+            f"for the same inputs (random numbers from a generator of its own, a clock, a nondeterministic "
+            f"kernel?), so the finite differences measure that noise. Make f deterministic (seed the "
+            f"generator inside f), or compare against an AD backend instead.",
+            ReferenceNondeterminismWarning,
             stacklevel=caller_stacklevel(),
         )
     return low
@@ -500,6 +551,74 @@ def _for(F: Any, leaves: Flat) -> Flat:
     return leaves
 
 
+def _same_draws(F: FlatFunction) -> FlatFunction:
+    """``F`` drawing the same random numbers at every evaluation: each starts from the global
+    torch and numpy random states the call found (as AutoTorch does when it runs f again), so
+    the differences are those of one function, and the caller's states end as after one call of f."""
+    torch = sys.modules.get("torch")
+    torch_state = torch.get_rng_state() if torch is not None else None
+    numpy_state = np.random.get_state()
+
+    def evaluate(xs_: Flat) -> tuple[Flat, Any]:
+        if torch is not None:
+            torch.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        return F(xs_)
+
+    evaluate.op_name = getattr(F, "op_name", None)  # type: ignore[attr-defined]
+    return evaluate
+
+
+def _varies(F: FlatFunction, xs: Flat, ys: Flat) -> bool:
+    """Whether a second evaluation of ``F`` at ``xs`` differs from its first, ``ys`` (a NaN
+    where the first had one is no difference). Asked once per operator call: the answer is kept on ``F``."""
+    known: bool | None = getattr(F, "varies", None)
+    if known is None:
+        again, _ = F(xs)
+        known = any(
+            arrays.dtype_kind(y) == "f"
+            and not bool(np.array_equal(np.asarray(_to_float64(y)), np.asarray(_to_float64(z)), equal_nan=True))
+            for y, z in zip(ys, again)
+        )
+        with contextlib.suppress(AttributeError, TypeError):  # a bound method or builtin keeps no attributes
+            F.varies = known  # type: ignore[attr-defined]
+    return known
+
+
+def _kinked(bends: list[tuple[float, Flat]], estimate: Flat, resolution: float) -> bool:
+    """Whether f's slopes on either side of the point still differ at the smallest step: ``bends``
+    holds, for each step h of the start that gave ``estimate`` (largest first), half that jump,
+    ``(f(x+h) - 2 f(x) + f(x-h)) / 2h``. Where f is smooth it is ``f'' h / 2`` and shrinks with h;
+    at a kink it stays the same. Jumps far below the testing kit's tolerances, and those within
+    the outputs' rounding (``resolution / h``), do not count."""
+    if len(bends) < 2:
+        return False
+    (largest, at_largest), (smallest, at_smallest) = bends[0], bends[-1]
+    # Between 1 (a kink) and smallest / largest (smooth): the geometric middle separates them.
+    kept = math.sqrt(smallest / largest)
+    for wide, narrow, value in zip(at_largest, at_smallest, estimate):
+        if arrays.dtype_kind(narrow) != "f" or not arrays.size(narrow):
+            continue
+        with np.errstate(all="ignore"):
+            significant = abs(narrow) > 1e-6 + 1e-5 * abs(value) + 20 * resolution / smallest
+            if bool((significant & (abs(narrow) > kept * abs(wide))).any()):
+                return True
+    return False
+
+
+def _weighted_rows(cotangents: Any, jacobian: Any) -> Any:
+    """``cotangents @ jacobian``, where a row of the Jacobian that is not finite (an output that is
+    infinite, such as a masked log-softmax's -inf) spoils only the products that weigh it: one with
+    a zero weight on it is the other rows' sum, as each output's own derivative is."""
+    xp = arrays.namespace(jacobian)
+    finite = xp.isfinite(jacobian)
+    if bool(finite.all()):
+        return cotangents @ jacobian
+    rows = cotangents @ xp.where(finite, jacobian, xp.zeros_like(jacobian))
+    spoiled = (cotangents != 0) * 1.0 @ (~finite * 1.0) > 0  # a nonzero weight on a non-finite entry
+    return xp.where(spoiled, rows * math.nan, rows)
+
+
 def _all_finite(leaf: Any) -> Any:
     return arrays.namespace(leaf).isfinite(leaf).all()
 
@@ -514,4 +633,11 @@ def _cast(leaf: Any, dtype: Any) -> Any:
     return leaf.astype(dtype)
 
 
-__all__ = ["AutoFiniteDifferences", "ReferencePrecisionWarning", "ReferenceRandomnessWarning", "ReferenceUnreliableWarning"]
+__all__ = [
+    "AutoFiniteDifferences",
+    "ReferenceKinkWarning",
+    "ReferenceNondeterminismWarning",
+    "ReferencePrecisionWarning",
+    "ReferenceRandomnessWarning",
+    "ReferenceUnreliableWarning",
+]
