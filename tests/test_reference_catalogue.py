@@ -205,3 +205,14 @@ def test_eigvalsh_reads_one_triangle_and_the_reference_says_so() -> None:
     jacobian, unreliable = reference_jacobian(torch.linalg.eigvalsh, a)
     assert not unreliable
     torch.testing.assert_close(jacobian, torch.autograd.functional.jacobian(lower_only, a), rtol=1e-6, atol=1e-8)
+
+
+def test_a_hessian_of_rounding_noise_is_reference_unreliable_not_a_failure() -> None:
+    # jnp sweep, "sum_1e8" on float32 inputs: the reference's Hessian differences its own
+    # gradient, whose rounding noise (f is 1e8 in float64) no step smooths out; AutoJAX is right.
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    report = check(lambda x: (x**2).sum() + 1e8, Active(jnp.asarray([0.3, -1.2, 0.7], dtype=jnp.float32)), operators=["hessian"])
+    assert report.unreliable and not report.failed
+    assert "noisy" in report.unreliable[0]

@@ -103,13 +103,16 @@ class ReferenceNondeterminismWarning(ReferenceUnreliableWarning):
 
 
 class ReferenceKinkWarning(ReferenceUnreliableWarning):
-    """``f`` has a kink at the point (or closer to it than the smallest step): no step sees it smooth."""
+    """``f``'s slopes on either side of the point differ at every step: a kink at the point (or
+    closer to it than the smallest step), or values noisier than their precision (an inner
+    finite difference, an iterative solver stopping at a tolerance)."""
 
     reason = (
         "f is not differentiable at this point, or has a kink closer to it than the reference's "
-        "smallest step (a ReLU or abs at 0, tied maxima, a clip at its bound): the finite "
-        "differences average the slopes on either side, where an AD backend picks one by its "
-        "own convention; move the point off the kink, or pass reference=<an AD backend>"
+        "smallest step (a ReLU or abs at 0, tied maxima, a clip at its bound), or its values are "
+        "noisy at that scale: the finite differences average the slopes on either side, where an "
+        "AD backend picks one by its own convention; move the point off the kink, or pass "
+        "reference=<an AD backend>"
     )
 
 
@@ -310,7 +313,8 @@ class AutoFiniteDifferences(Backend):
                 f"differentiable at this point, or has a kink closer to it than the smallest step tried (a ReLU "
                 f"or abs at 0, tied maxima, a clip at its bound, a rounding step): its slopes on either side "
                 f"differ, so the finite differences give their average, where an AD backend picks a side by its "
-                f"own convention. Move the point off the kink, or compare against an AD backend instead.",
+                f"own convention (or f's values are noisy at the steps' scale). Move the point off the kink, or "
+                f"compare against an AD backend instead.",
                 ReferenceKinkWarning,
                 stacklevel=caller_stacklevel(),
             )
