@@ -305,13 +305,23 @@ class AutoFiniteDifferences(Backend):
             step /= 10
         if raised and not math.isfinite(best_error):
             raise raised[-1]  # no step stayed inside f's domain: f's own error, as it raised it
-        if _kinked(best_bends, best, resolution):  # type: ignore[arg-type]
+        # A jump that persists over the steps of the best start is a kink at the point, or kinks
+        # at a distance below the smallest step: a step a hundred times smaller tells them apart
+        # (two evaluations, only where the first test says kink; not below f's own precision).
+        kinked = False
+        if len(best_bends) > 1 and _kinked(best_bends[0], best_bends[-1], best, resolution):  # type: ignore[arg-type]
+            confirm = best_bends[-1][0] / 100
+            if confirm >= smallest:
+                known = len(bends)
+                central(confirm)
+                kinked = len(bends) > known and _kinked(best_bends[-1], bends[-1], best, resolution)  # type: ignore[arg-type]
+        if kinked:
             from ._jax import caller_stacklevel  # imports no framework
 
             warnings.warn(
                 f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f is not "
                 f"differentiable at this point, or has a kink closer to it than the smallest step tried (a ReLU "
-                f"or abs at 0, tied maxima, a clip at its bound, a rounding step): its slopes on either side "
+                f"or abs at 0, tied maxima, a clip at its bound): its slopes on either side "
                 f"differ, so the finite differences give their average, where an AD backend picks a side by its "
                 f"own convention (or f's values are noisy at the steps' scale). Move the point off the kink, or "
                 f"compare against an AD backend instead.",
@@ -589,14 +599,24 @@ def _varies(F: FlatFunction, xs: Flat, ys: Flat) -> bool:
     return known
 
 
-def _kinked(bends: list[tuple[float, Flat]], estimate: Flat, resolution: float) -> bool:
-    """Whether f's slopes on either side of the point still differ at the smallest step: ``bends``
-    holds, for each step h of the start that gave ``estimate`` (largest first), half that jump,
+def _kinked(wider: tuple[float, Flat], narrower: tuple[float, Flat], estimate: Flat, resolution: float) -> bool:
+    """Whether f's slopes on either side of the point differ as much at the narrower step as at
+    the wider: each is a step h and half the jump between those slopes there,
     ``(f(x+h) - 2 f(x) + f(x-h)) / 2h``. Where f is smooth it is ``f'' h / 2`` and shrinks with h;
-    at a kink it stays the same. Jumps far below the testing kit's tolerances, and those within
-    the outputs' rounding (``resolution / h``), do not count."""
-    if len(bends) < 2:
-        return False
+    at a kink it stays the same, and is how far the estimate is from either one-sided slope. Jumps
+    below half the testing kit's default tolerances (rtol 1e-4, atol 1e-5), which cannot make a
+    comparison fail, and those within the outputs' rounding (``resolution / h``), do not count."""
+    (wide_step, at_wide), (narrow_step, at_narrow) = wider, narrower
+    # Between 1 (a kink) and narrow / wide (smooth): the geometric middle separates them.
+    kept = math.sqrt(narrow_step / wide_step)
+    for wide, narrow, value in zip(at_wide, at_narrow, estimate):
+        if arrays.dtype_kind(narrow) != "f" or not arrays.size(narrow):
+            continue
+        with np.errstate(all="ignore"):
+            significant = abs(narrow) > 5e-6 + 5e-5 * abs(value) + 20 * resolution / narrow_step
+            if bool((significant & (abs(narrow) > kept * abs(wide))).any()):
+                return True
+    return False
     (largest, at_largest), (smallest, at_smallest) = bends[0], bends[-1]
     # Between 1 (a kink) and smallest / largest (smooth): the geometric middle separates them.
     kept = math.sqrt(smallest / largest)
@@ -604,8 +624,12 @@ def _kinked(bends: list[tuple[float, Flat]], estimate: Flat, resolution: float) 
         if arrays.dtype_kind(narrow) != "f" or not arrays.size(narrow):
             continue
         with np.errstate(all="ignore"):
-            significant = abs(narrow) > 1e-6 + 1e-5 * abs(value) + 20 * resolution / smallest
-            if bool((significant & (abs(narrow) > kept * abs(wide))).any()):
+            significant = abs(narrow) > 5e-6 + 5e-5 * abs(value) + 20 * resolution / smallest
+            # The same jump at both ends (of one sign, within the band): a kink at the point. One
+            # that changes sign or grows as the steps shrink is kinks at a distance, which the
+            # extrapolation has dealt with or retried smaller.
+            steady = (narrow * wide > 0) & (abs(narrow) > kept * abs(wide)) & (abs(narrow) * kept < abs(wide))
+            if bool((significant & steady).any()):
                 return True
     return False
 
