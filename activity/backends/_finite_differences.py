@@ -617,21 +617,6 @@ def _kinked(wider: tuple[float, Flat], narrower: tuple[float, Flat], estimate: F
             if bool((significant & (abs(narrow) > kept * abs(wide))).any()):
                 return True
     return False
-    (largest, at_largest), (smallest, at_smallest) = bends[0], bends[-1]
-    # Between 1 (a kink) and smallest / largest (smooth): the geometric middle separates them.
-    kept = math.sqrt(smallest / largest)
-    for wide, narrow, value in zip(at_largest, at_smallest, estimate):
-        if arrays.dtype_kind(narrow) != "f" or not arrays.size(narrow):
-            continue
-        with np.errstate(all="ignore"):
-            significant = abs(narrow) > 5e-6 + 5e-5 * abs(value) + 20 * resolution / smallest
-            # The same jump at both ends (of one sign, within the band): a kink at the point. One
-            # that changes sign or grows as the steps shrink is kinks at a distance, which the
-            # extrapolation has dealt with or retried smaller.
-            steady = (narrow * wide > 0) & (abs(narrow) > kept * abs(wide)) & (abs(narrow) * kept < abs(wide))
-            if bool((significant & steady).any()):
-                return True
-    return False
 
 
 def _weighted_rows(cotangents: Any, jacobian: Any) -> Any:
