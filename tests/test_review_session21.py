@@ -1,0 +1,39 @@
+"""Defects found reviewing session 21's changes, each checked against an independent answer."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import activity as ad
+from activity import Active
+from activity.backends._finite_differences import ReferencePrecisionWarning
+
+torch = pytest.importorskip("torch")
+
+FD = ad.AutoFiniteDifferences()
+
+
+@pytest.mark.parametrize(
+    ("f", "derivative"),
+    [
+        # the default first step (0.01) leaves log's domain at these points
+        (lambda x: torch.log(x.float()).sum(), lambda x: 1 / x),
+        (lambda x: torch.sqrt(x.float()).sum(), lambda x: 0.5 / np.sqrt(x)),
+        # f varies on a scale well below float32's best step (5e-3)
+        (lambda x: torch.sin(500 * x.float()).sum(), lambda x: 500 * np.cos(500 * x)),
+    ],
+    ids=["log-near-0", "sqrt-near-0", "fast-sine"],
+)
+def test_float32_f_on_a_small_scale_still_gets_smaller_steps(f, derivative):
+    """The smallest step for f that rounds to float32 was a wall for every retry: where the
+    steps above it could not settle (f's domain or scale is smaller), the reference gave nan or
+    a derivative wrong by 100 %, where smaller steps give float32's accuracy."""
+    x = np.array([0.002, 0.004])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReferencePrecisionWarning)
+        got = ad.gradient(f, Active(torch.tensor(x)), backend=FD).numpy()
+    want = derivative(x)
+    assert np.all(np.abs(got - want) <= 1e-4 * np.abs(want)), (got, want)
