@@ -37,3 +37,35 @@ def test_float32_f_on_a_small_scale_still_gets_smaller_steps(f, derivative):
         got = ad.gradient(f, Active(torch.tensor(x)), backend=FD).numpy()
     want = derivative(x)
     assert np.all(np.abs(got - want) <= 1e-4 * np.abs(want)), (got, want)
+
+
+class _Checked(__import__("collections").namedtuple("_Checked", "weights count")):
+    """A namedtuple whose own __new__ validates its fields, as torch's PackedSequence does."""
+
+    def __new__(cls, weights: object, count: object) -> "_Checked":
+        if weights is None or count is None:
+            raise TypeError("_Checked needs both fields")
+        return super().__new__(cls, weights, count)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_prepared_jax_result_holding_a_validating_namedtuple(strict):
+    """A gradient holds None at the integer field: JAX's own rebuild of the result (in the check
+    whether JAX keeps it as built) and the rebuild of the jitted call's flat result both called
+    the namedtuple's __new__ with it, so every prepared call raised the namedtuple's TypeError."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+
+    def loss(p):
+        return jnp.sum(p.weights**2) * p.count
+
+    value = _Checked(jnp.arange(3.0), jnp.array(2))
+    want = jax.grad(lambda w: loss(_Checked(w, value.count)))(value.weights)
+    for operator in (ad.gradient, ad.value_and_gradient):
+        prepared = ad.prepare(operator, loss, Active(value), strict=strict)
+        for got in (prepared(value), prepared(Active(value))):
+            grad = got if operator is ad.gradient else got[1]
+            assert type(grad) is _Checked and grad.count is None
+            np.testing.assert_allclose(np.asarray(grad.weights), np.asarray(want))
+            if operator is ad.value_and_gradient:
+                np.testing.assert_allclose(float(got[0]), float(loss(value)))
