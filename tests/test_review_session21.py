@@ -69,3 +69,19 @@ def test_prepared_jax_result_holding_a_validating_namedtuple(strict):
             np.testing.assert_allclose(np.asarray(grad.weights), np.asarray(want))
             if operator is ad.value_and_gradient:
                 np.testing.assert_allclose(float(got[0]), float(loss(value)))
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_prepared_mismatch_is_not_chained_to_the_internal_miss(framework):
+    """The strict prepared call's direct path ran the checked path inside its `except` for the
+    compiled call's miss: the user's PreparationMismatchError came after "During handling of
+    the above exception" and the internal SignatureChanged (or JAX's TypeError) traceback."""
+    if framework == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        x, other, loss = jnp.ones(3), jnp.ones(4), lambda x: jnp.sum(x**2)
+    else:
+        x, other, loss = torch.ones(3), torch.ones(4), lambda x: (x**2).sum()
+    prepared = ad.prepare(ad.gradient, loss, Active(x))
+    with pytest.raises(ad.PreparationMismatchError, match=r"shape \(3,\)") as info:
+        prepared(other)
+    assert info.value.__context__ is None, repr(info.value.__context__)
