@@ -85,3 +85,20 @@ def test_a_prepared_mismatch_is_not_chained_to_the_internal_miss(framework):
     with pytest.raises(ad.PreparationMismatchError, match=r"shape \(3,\)") as info:
         prepared(other)
     assert info.value.__context__ is None, repr(info.value.__context__)
+
+
+def test_the_in_place_hint_does_not_blame_an_active_argument_alone():
+    """torch's in-place error does not say which tensor: the note said it was the Active
+    argument, which f had not touched, where f wrote a Parameter it reads from outside."""
+    outside = torch.nn.Parameter(torch.ones(3))
+
+    def loss(x):
+        outside.mul_(2.0)
+        return (x * outside).sum()
+
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match="in-place operation") as info:
+        ad.gradient(loss, Active(x))
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "from outside its arguments" in note, note
+    assert torch.equal(outside.detach(), torch.ones(3)) and torch.equal(x, torch.ones(3))

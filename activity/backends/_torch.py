@@ -209,8 +209,9 @@ class AutoTorch(Backend):
     def explain_error(self, error: Exception, active: str) -> str | None:
         if isinstance(error, RuntimeError) and "requires grad is being used in an in-place operation" in str(error):
             return (
-                f"f changes a differentiated tensor in place (the Active {active}; nothing of yours was "
-                f"changed). Compute out of place or on a copy (x = x.clone()); pass scratch space that f "
+                f"f changes a differentiated tensor in place (the Active {active}, or a tensor that requires "
+                f"grad which f reads from outside its arguments, such as a model's nn.Parameter; torch refused "
+                f"the write). Compute out of place or on a copy (x = x.clone()); pass scratch space that f "
                 f"writes as Cache(buffer), and data as Constant(x)."
             )
         return None
