@@ -102,3 +102,29 @@ def test_the_in_place_hint_does_not_blame_an_active_argument_alone():
     note = "\n".join(getattr(info.value, "__notes__", []))
     assert "from outside its arguments" in note, note
     assert torch.equal(outside.detach(), torch.ones(3)) and torch.equal(x, torch.ones(3))
+
+
+def test_a_call_arriving_during_the_first_call_of_a_torch_problem(monkeypatch):
+    """`Problem.call` set its first-call flag before the hook counter that later calls read: a
+    second thread's call arriving between the two raised AttributeError on None.next_id. The
+    second call is made at that moment, from the counter's look-up, deterministically."""
+    import sys
+
+    from activity.backends import _torch_modules
+
+    original, arrived = _torch_modules.hook_handles, []
+
+    def a_second_call_arrives() -> object:
+        caller = sys._getframe(1)
+        if not arrived and caller.f_code.co_name == "call":
+            arrived.append(True)
+            caller.f_locals["self"].call(caller.f_locals["f"], caller.f_locals["values"])
+        return original()
+
+    monkeypatch.setattr(_torch_modules, "hook_handles", a_second_call_arrives)
+    layer, x = torch.nn.Linear(3, 1), torch.ones(2, 3)
+    got = ad.gradient(lambda m, x: m(x).sum(), Active(layer), ad.Constant(x))
+    assert arrived
+    want = torch.autograd.grad(layer(x).sum(), [layer.weight, layer.bias])
+    torch.testing.assert_close(got["weight"], want[0])
+    torch.testing.assert_close(got["bias"], want[1])
