@@ -128,3 +128,21 @@ def test_a_call_arriving_during_the_first_call_of_a_torch_problem(monkeypatch):
     want = torch.autograd.grad(layer(x).sum(), [layer.weight, layer.bias])
     torch.testing.assert_close(got["weight"], want[0])
     torch.testing.assert_close(got["bias"], want[1])
+
+
+@pytest.mark.parametrize("operator", ["gradient", "hvp"])
+def test_second_order_backends_explain_an_in_place_change_too(operator):
+    """SecondOrder passed every hook on to its backends but `explain_error`: f changing its
+    Active tensor in place got the note with AutoTorch, and none with SecondOrder over it."""
+    backend = ad.SecondOrder(ad.AutoTorch(), ad.AutoTorch())
+
+    def loss(x):
+        x.mul_(2.0)
+        return (x**2).sum()
+
+    x = torch.ones(3)
+    seeds = {"tangent": torch.ones(3)} if operator == "hvp" else {}
+    with pytest.raises(RuntimeError, match="in-place operation") as info:
+        getattr(ad, operator)(loss, Active(x), backend=backend, **seeds)
+    assert any("f changes a differentiated tensor in place" in note for note in getattr(info.value, "__notes__", []))
+    assert torch.equal(x, torch.ones(3))
