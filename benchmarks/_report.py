@@ -209,17 +209,18 @@ WHERE_THE_TIME_GOES = """## Where the remaining time goes
 **JAX.** A prepared JAX operator is one `jax.jit` of the whole call: the checks of the
 arguments and their split into differentiated and constant leaves are traced with the
 derivative, so JAX's C++ dispatch checks shapes and dtypes and finds the compiled code,
-as it does for the raw `jax.jit(jax.grad(f))`. What remains is the prepared object's
-own Python entry (a call frame, a scan for annotated arguments, the guard that sends a
-new signature to the checked path) and, where a result is a dict whose keys JAX would
-sort, putting them back in the order of the argument: measured alone with JAX's
-synchronous CPU dispatch (`jax_cpu_enable_async_dispatch=False`, where the width-8 MLP
-calls take 12 to 18 us and repeat to 0.1 %), 1.0 to 1.8 us per call, 5 to 10 % at width 8
-(pullback 1.10, pushforward 1.06, gradient 1.07) and 3 to 8 % at width 64. With the
-default asynchronous dispatch used here, the same calls take 40 to 90 us, in two modes
-that a round can fall into on either side, so those rows move by +-10 % from one run to
-the next, more than that cost. It cannot go while the prepared object accepts annotated
-arguments and explains a mismatch instead of recompiling silently.
+as it does for the raw `jax.jit(jax.grad(f))`. A strict prepared call without keyword
+arguments for `f` goes from the prepared object's entry (one frame and a scan for
+annotated arguments) straight to that compiled call. Where the result is not what JAX
+would give back (a dict whose keys JAX sorts, a mask's `None`), its arrays leave the
+compiled call as a flat tuple, which JAX builds in C++, and the prepared object rebuilds
+the result with the structure recorded when the call was traced (one C call of optree):
+there is no pytree node of ours to unflatten and no wrapper frame. What remains is that
+entry, about 0.3 us, and that rebuild, 0.3 to 0.6 us; on the width-8 MLP, whose calls take
+11 to 20 us with synchronous dispatch, that is 3 to 6 %. It cannot go while the prepared
+object accepts annotated arguments and returns a dict in its argument's key order. The
+masked-gradient rows compare two prepared calls whose results are rebuilt differently
+(a nested structure with `None` against a two-key dict), which is their 0.4 us.
 
 **PyTorch.** A prepared torch `gradient`, a `pullback` of one cotangent and an `hvp` of
 one tangent run straight on the autograd tape; every other operator runs its pipeline,
@@ -254,8 +255,10 @@ forward and backward passes of a small model, and are gone:
   operation has no forward-mode rule, it is redone by `torch.func.jvp` or on the tape.
 
 What remains is the check of the module and the re-pointing of the view, a few
-microseconds per module and per tensor of Python: it weighs on the width-8 MLP step and
-fades from width 256 on. The raw call does none of it: it reuses a parameter list made
+microseconds per module and per tensor of Python, and one read of torch's hook counter
+around `f` (a hook `f` registers on the view is taken off again; writes `f` makes to the
+parameters outside the tape are looked for on the first call only): it weighs on the
+width-8 MLP step and fades from width 256 on. The raw call does none of it: it reuses a parameter list made
 once, so a layer replaced between calls, or a parameter frozen with
 `requires_grad_(False)`, silently gets a stale or wrong gradient. Unprepared torch
 gradients keep the checked split of the last call of the same operator and argument kinds

@@ -289,7 +289,7 @@ def _call(
         reusable, key = None, None
     if reusable is not None:
         try:
-            return reusable(f, values, seed_kwargs)
+            return reusable(f, *values, **seed_kwargs)
         except SignatureChanged:
             pass
     plan = Plan(
@@ -299,7 +299,7 @@ def _call(
     if key is not None and reusable is not None:
         _keep(key, reusable, plan.problem)
         try:
-            return reusable(f, values, seed_kwargs)
+            return reusable(f, *values, **seed_kwargs)
         except SignatureChanged:
             pass
     return plan.run(values, plan.seeds)

@@ -154,7 +154,7 @@ class Backend:
 
 
     def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
-        """For unprepared calls: ``run(f, values, seed_kwargs)`` computing ``plan``'s operator for
+        """For unprepared calls: ``run(f, *values, **seed_kwargs)`` computing ``plan``'s operator for
         any later call of the same signature, or None. It raises `SignatureChanged` before
         running ``f`` on a call of another signature (a new plan is then made). It must not
         keep ``f`` or any value of the call alive, and must check the signature as cheaply as

@@ -251,10 +251,10 @@ class AutoTorch(Backend):
         name, single = plan.operator.name, plan.seeds is None or plan.seeds.batch is None
         if name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
             run, f = _tape_gradient(plan.problem, name), plan.f
-            return CompiledCall(lambda *values, **seed_kwargs: run(f, values, seed_kwargs))
+            return CompiledCall(functools.partial(run, f))  # C-level: no frame of ours before `run`
         if name in ("pullback", "value_and_pullback") and single:
             pull, f = _tape_pullback(plan.problem, plan.operator, plan.seed_key), plan.f
-            return CompiledCall(lambda *values, **seed_kwargs: pull(f, values, seed_kwargs))
+            return CompiledCall(functools.partial(pull, f))
         if name in ("hvp", "gradient_and_hvp") and single and plan.backend is self and self.hvp_mode != "forward-over-reverse":
             return CompiledCall(_tape_hvp_call(plan))
         return CompiledCall(_checked_pipeline(plan))
@@ -870,7 +870,7 @@ def _usable() -> bool:
 
 
 def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
-    """A gradient straight on the tape, for one signature: ``run(f, values, seed_kwargs)``.
+    """A gradient straight on the tape, for one signature: ``run(f, *values, **seed_kwargs)``.
 
     The same steps as the generic gradient (check and split the arguments,
     rebuild them, run f, `torch.autograd.grad`, arrange the result), without
@@ -889,7 +889,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     tensor_type = torch.Tensor
     engine, ones_like, call = _engine(), torch.ones_like, problem.call
 
-    def gradient(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
+    def gradient(f: Callable[..., Any], *values: Any, **seed_kwargs: Any) -> Any:
         got = None if seed_kwargs or len(values) != n_args or not _usable() else arguments(values)
         if got is None:
             raise SignatureChanged
@@ -962,7 +962,7 @@ def _lone_module(problem: Any) -> tuple[int, int] | None:
 
 def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = True) -> Callable[..., Any]:
     """A pullback of one cotangent straight on the tape (see `_tape_gradient`), for one
-    signature: ``run(f, values, seed_kwargs)``; one evaluation of f, one backward pass with
+    signature: ``run(f, *values, **seed_kwargs)``; one evaluation of f, one backward pass with
     the cotangent, nothing kept. It holds no ``f`` (`reusable_call`)."""
     torch = _torch()
     n_args = len(problem.kinds)
@@ -976,7 +976,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
-    def pullback(f: Callable[..., Any], values: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
+    def pullback(f: Callable[..., Any], *values: Any, **seed_kwargs: Any) -> Any:
         if len(values) != n_args or not _usable():
             raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
