@@ -146,3 +146,15 @@ def test_second_order_backends_explain_an_in_place_change_too(operator):
         getattr(ad, operator)(loss, Active(x), backend=backend, **seeds)
     assert any("f changes a differentiated tensor in place" in note for note in getattr(info.value, "__notes__", []))
     assert torch.equal(x, torch.ones(3))
+
+
+@pytest.mark.parametrize("operator", ["gradient", "pullback"])
+def test_a_prepared_torch_call_given_a_keyword_named_f(operator):
+    """The tape functions took f by name as well: a keyword f= for a prepared call collided
+    with it (an internal "got multiple values for argument 'f'") instead of activity's
+    message about the unexpected keyword."""
+    x = torch.ones(3)
+    seeds = {"cotangent": torch.tensor(1.0)} if operator == "pullback" else {}
+    prepared = ad.prepare(getattr(ad, operator), lambda x, f=1.0: (x**2).sum() * f, Active(x), **seeds)
+    with pytest.raises(TypeError, match=r"activity\.%s got unexpected keyword argument\(s\) \['f'\]" % operator):
+        prepared(x, f=2.0, **seeds)

@@ -889,7 +889,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     tensor_type = torch.Tensor
     engine, ones_like, call = _engine(), torch.ones_like, problem.call
 
-    def gradient(f: Callable[..., Any], *values: Any, **seed_kwargs: Any) -> Any:
+    def gradient(f: Callable[..., Any], /, *values: Any, **seed_kwargs: Any) -> Any:
         got = None if seed_kwargs or len(values) != n_args or not _usable() else arguments(values)
         if got is None:
             raise SignatureChanged
@@ -976,7 +976,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
-    def pullback(f: Callable[..., Any], *values: Any, **seed_kwargs: Any) -> Any:
+    def pullback(f: Callable[..., Any], /, *values: Any, **seed_kwargs: Any) -> Any:
         if len(values) != n_args or not _usable():
             raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
