@@ -111,12 +111,14 @@ class Prepared(Generic[R]):
                 try:
                     out = direct(*args, **seed_kwargs)
                 except self._direct_misses:
-                    return self._reported(self._checked_call, args, seed_kwargs)  # type: ignore[no-any-return]
+                    pass  # the checked path, outside this handler: its error is not chained to the miss
                 except Exception as error:
                     drop_jax_note(error)
                     raise
-                rebuild = self._direct_rebuild
-                return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
+                else:
+                    rebuild = self._direct_rebuild
+                    return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
+                return self._reported(self._checked_call, args, seed_kwargs)  # type: ignore[no-any-return]
         return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
 
     def _call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:

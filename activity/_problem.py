@@ -698,9 +698,9 @@ class Problem:
         described = self._described
         if described:
             if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
-                self._watched = True
                 watch = sys.modules["activity.backends._torch_modules"]
-                self._hook_handles = watch.hook_handles()
+                self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
+                self._watched = True
                 return watch.watched_call(described, self._call, f, values, self.op_name, self.label, True)
             handles = self._hook_handles
             first = handles.next_id  # counts every hook torch registers

@@ -247,9 +247,21 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Any) -> Any:
         # A namedtuple whose own __new__ validates its fields (torch's PackedSequence) refuses
         # the None a result holds at its non-floating leaves: build such nodes as the
         # namedtuple's own _make does, without __new__ (as `_builder` builds fields nodes).
-        if not any(node.kind == optree.PyTreeKind.NAMEDTUPLE and node.type.__new__ is not tuple.__new__ for node in _nodes(spec)):
+        if not _has_validating_namedtuple(spec):
             raise
         return _unflatten_without_new(spec, iter(leaves))
+
+
+def rebuilder(spec: optree.PyTreeSpec) -> Callable[[Any], Any]:
+    """``leaves -> unflatten(spec, leaves)``: optree's own unflatten (no Python frame of
+    activity's per call) unless ``spec`` holds a namedtuple whose ``__new__`` may refuse them."""
+    if _has_validating_namedtuple(spec):
+        return functools.partial(unflatten, spec)
+    return functools.partial(optree.tree_unflatten, spec)
+
+
+def _has_validating_namedtuple(spec: optree.PyTreeSpec) -> bool:
+    return any(node.kind == optree.PyTreeKind.NAMEDTUPLE and node.type.__new__ is not tuple.__new__ for node in _nodes(spec))
 
 
 def _nodes(spec: optree.PyTreeSpec) -> list[optree.PyTreeSpec]:

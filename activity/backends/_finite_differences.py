@@ -257,7 +257,7 @@ class AutoFiniteDifferences(Backend):
         ys, aux = F(xs)
         low = _warn_if_unreliable(F, ys, xs)
         # Where f rounds to a lower precision, steps below about eps**(1/3) of it give differences
-        # of rounding noise (the central difference's best step): the steps stop there.
+        # of rounding noise (the central difference's best step): a run of steps stops there.
         smallest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) ** (1 / 3) for d in low), default=0.0)
         ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
@@ -295,12 +295,15 @@ class AutoFiniteDifferences(Backend):
         best, best_error, best_bends, step = None, math.inf, [], self.step
         for _ in range(self.retries):
             bends.clear()
-            estimate, error, rounded = self._ridders(central, step, resolution, smallest)
+            # A retry below the smallest step (the steps above it did not settle: f varies on a
+            # smaller scale, or leaves its domain, log near 0) runs its course; the rounding
+            # floor, not a wall, then weighs its steps.
+            estimate, error, rounded = self._ridders(central, step, resolution, smallest if step >= smallest else 0.0)
             if best is None or error < best_error:
                 best, best_error, best_bends = estimate, error, list(bends)
             # Converged, or limited by the outputs' rounding, which smaller steps only make larger
             # (at steps too small to move f at all, every difference is 0 and would look converged).
-            if math.isfinite(error) and (error <= 1e-11 * _max_abs(estimate) or rounded) or step / 10 < smallest:
+            if math.isfinite(error) and (error <= 1e-11 * _max_abs(estimate) or rounded):
                 break
             step /= 10
         if raised and not math.isfinite(best_error):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 import operator
 import sys
 import threading
@@ -18,7 +17,7 @@ import optree
 from .. import _arrays as arrays
 from .._problem import STATIC, array_meta, combine, partition
 from .._imports import optional, require
-from .._tree import NAMESPACE, captured_values, flatten, unflatten
+from .._tree import NAMESPACE, captured_values, flatten, rebuilder, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
 
 
@@ -140,7 +139,7 @@ class AutoJAX(Backend):
             return None
         jitted, output = sealed
         if output.get("structure") is not None:  # the result's arrays leave as a tuple
-            return CompiledCall(jitted, _MISSES, functools.partial(optree.tree_unflatten, output["structure"]))
+            return CompiledCall(jitted, _MISSES, rebuilder(output["structure"]))
         if retrace is None and not output["rebuilt"]:  # one signature, whose result JAX returns as built
             return CompiledCall(jitted, _MISSES)
 
@@ -381,7 +380,13 @@ def _jax_keeps(out: Any) -> bool:
         return True
     flatten(out)  # activity learns any new node type before `_same_layout` walks with it
     leaves, treedef = jax.tree_util.tree_flatten(out)
-    return all(isinstance(leaf, jax.Array) for leaf in leaves) and _same_layout(out, treedef.unflatten(leaves))
+    if not all(isinstance(leaf, jax.Array) for leaf in leaves):
+        return False
+    try:
+        rebuilt = treedef.unflatten(leaves)
+    except Exception:  # noqa: BLE001 - a namedtuple whose __new__ refuses the None at a non-floating leaf
+        return False
+    return _same_layout(out, rebuilt)
 
 
 def _same_layout(built: Any, rebuilt: Any) -> bool:

@@ -105,6 +105,10 @@ class SecondOrder(Backend):
         stack.enter_context(self.inner.context())
         return stack
 
+    def explain_error(self, error: Exception, active: str) -> str | None:
+        # f runs inside both backends' transforms: either may know the error
+        return self.inner.explain_error(error, active) or self.outer.explain_error(error, active)
+
     def random_state(self) -> Any:
         return self.inner.random_state()  # the inner backend runs f
 

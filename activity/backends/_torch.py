@@ -209,8 +209,9 @@ class AutoTorch(Backend):
     def explain_error(self, error: Exception, active: str) -> str | None:
         if isinstance(error, RuntimeError) and "requires grad is being used in an in-place operation" in str(error):
             return (
-                f"f changes a differentiated tensor in place (the Active {active}; nothing of yours was "
-                f"changed). Compute out of place or on a copy (x = x.clone()); pass scratch space that f "
+                f"f changes a differentiated tensor in place (the Active {active}, or a tensor that requires "
+                f"grad which f reads from outside its arguments, such as a model's nn.Parameter; torch refused "
+                f"the write). Compute out of place or on a copy (x = x.clone()); pass scratch space that f "
                 f"writes as Cache(buffer), and data as Constant(x)."
             )
         return None
@@ -888,7 +889,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     tensor_type = torch.Tensor
     engine, ones_like, call = _engine(), torch.ones_like, problem.call
 
-    def gradient(f: Callable[..., Any], *values: Any, **seed_kwargs: Any) -> Any:
+    def gradient(f: Callable[..., Any], /, *values: Any, **seed_kwargs: Any) -> Any:
         got = None if seed_kwargs or len(values) != n_args or not _usable() else arguments(values)
         if got is None:
             raise SignatureChanged
@@ -975,7 +976,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
-    def pullback(f: Callable[..., Any], *values: Any, **seed_kwargs: Any) -> Any:
+    def pullback(f: Callable[..., Any], /, *values: Any, **seed_kwargs: Any) -> Any:
         if len(values) != n_args or not _usable():
             raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
