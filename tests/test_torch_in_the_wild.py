@@ -1075,3 +1075,38 @@ def test_a_forward_rule_that_drops_the_tangent_is_caught_and_the_tape_answers(pr
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="does not depend on the Active argument"):  # a real cut still says so
         ad.pushforward(lambda x: f(x.detach()), Active(x), tangent=t)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_second_derivatives_through_abs_and_sign_are_tensors_the_user_owns(prepared):
+    """torch's double backward of abs (and the forward rule of sign) give ZeroTensors, which
+    are immutable: a result the user adds into raised. Each is a plain zero tensor, and right."""
+    x, t = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    s = torch.tensor(0.5, dtype=torch.float64)
+
+    def call(op, f, value, **seeds):
+        return ad.prepare(op, f, Active(value), **seeds)(value, **seeds) if prepared else op(f, Active(value), **seeds)
+
+    results = [
+        call(ad.hvp, lambda x: x.abs().sum(), x, tangent=t),
+        call(ad.gradient_and_hvp, lambda x: x.abs().sum(), x, tangent=t)[1],
+        call(ad.second_derivative, lambda s: s.abs(), s),
+        call(ad.value_derivative_and_second_derivative, lambda s: s.abs(), s)[2],
+    ]
+    for result in results:
+        assert not result._is_zerotensor() and torch.count_nonzero(result) == 0
+        result += 1.0  # raised "ZeroTensors are immutable"
+
+
+def test_the_hessian_of_mse_loss_of_a_scalar_falls_back_where_forward_over_reverse_fails():
+    """torch's forward over reverse through mse_loss of a 0-d tensor writes a ZeroTensor and
+    raises; the tape gives the Hessian, 2."""
+    x, zero = torch.tensor(0.3, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+
+    def f(x):
+        return torch.nn.functional.mse_loss(x, zero)
+
+    with pytest.raises(RuntimeError, match="ZeroTensors are immutable"):
+        torch.func.jacfwd(torch.func.grad(f))(x)  # torch's own failure, the reason for the fallback
+    torch.testing.assert_close(ad.hessian(f, Active(x)), torch.tensor(2.0, dtype=torch.float64))
+    torch.testing.assert_close(ad.prepare(ad.hessian, f, Active(x))(x), torch.tensor(2.0, dtype=torch.float64))

@@ -69,6 +69,7 @@ _TRANSFORM_LIMITS = (
     "randomness",
     "data pointer of tensor that doesn't have storage",  # .numpy(), data_ptr() on a transform's wrapper
     "derivative for",  # "derivative for aten::..._backward is not implemented": no double backward
+    "zerotensors are immutable",  # forward over reverse writing a gradient torch keeps as a ZeroTensor (mse_loss)
 )
 
 _NO_SECOND_ORDER = (
@@ -236,11 +237,11 @@ class AutoTorch(Backend):
             return result
         torch = _torch()
         if isinstance(result, torch.Tensor):
-            return result.detach() if result.requires_grad else result
+            return _owned(result)
         leaves, spec = flatten(result)
-        if not any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves):
+        if not any(isinstance(leaf, torch.Tensor) and (leaf.requires_grad or leaf._is_zerotensor()) for leaf in leaves):
             return result
-        return unflatten(spec, [leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        return unflatten(spec, [_owned(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
     def compile_call(
         self, plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None = None
@@ -702,7 +703,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
             hvps = torch.autograd.grad(
                 [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=batched, allow_unused=True
             )
-        return tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
+        return tuple(map(_materialized, hvps, xs))
 
     hvps = _batched(one, ts, backend, getattr(F, "problem", None), tuple(grads[i] for i in live)) if batched else one(ts)
     detached = tuple(g.detach() for g in grads)
@@ -946,6 +947,22 @@ def _gradient_with_graph(y: Any, leaves: Flat, xs: Flat, op_name: str | None, cu
     return grads, live
 
 
+def _owned(result: Any) -> Any:
+    """A result tensor as the user gets it: off the graph, and a plain tensor where torch's
+    derivative rules gave a ZeroTensor (forward mode through abs or sign), which is immutable."""
+    if result._is_zerotensor():
+        return _torch().zeros_like(result)
+    return result.detach() if result.requires_grad else result
+
+
+def _materialized(derivative: Any, x: Any) -> Any:
+    """A second pass's derivative as a tensor the user owns: zeros where the leaf got none, and
+    where torch gives a ZeroTensor (the double backward of sign or abs), which is immutable."""
+    if derivative is None or derivative._is_zerotensor():
+        return _torch().zeros_like(x)
+    return derivative
+
+
 def _built_in_node(node_type: type) -> bool:
     """Whether a backward node is one of torch's own operations (not a Python or C++ custom Function)."""
     return node_type.__module__ == "builtins" and not node_type.__name__.startswith("CppNode")
@@ -1180,7 +1197,7 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
                 args.clear()  # as in `_tape_gradient`
                 out = None
                 _release(leases)
-        hvps = tuple(torch.zeros_like(x) if h is None else h for h, x in zip(hvps, xs))
+        hvps = tuple(map(_materialized, hvps, xs))
         result = dict(zip(problem.module_names[lone_module], hvps)) if lone_module else problem.like_active(hvps)
         if not with_gradient:
             return result
