@@ -115,15 +115,23 @@ def check(
             report.passed.append(name)
 
     unreliable: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ReferenceUnreliableWarning)
-        ref_jvps = [ad.pushforward(f, *args, tangent=t, backend=reference) for t in tangents]
-        ref_jac = ad.jacobian(f, *args, backend=reference) if small and "jacobian" in chosen else None
-        ref_hess = ad.hessian(f, *args, backend=reference) if small and "hessian" in chosen else None
-    for warning in caught:
-        if issubclass(warning.category, ReferenceUnreliableWarning):
-            unreliable.append(warning.category.reason)
-            break
+
+    def reference_call(call: Callable[[], Any]) -> Any:
+        """``call()`` of the reference; what it warns it cannot decide is kept for `compare`."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ReferenceUnreliableWarning)
+            result = call()
+        for warning in caught:
+            if issubclass(warning.category, ReferenceUnreliableWarning):
+                if not unreliable:
+                    unreliable.append(warning.category.reason)
+            else:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        return result
+
+    ref_jvps = [reference_call(lambda t=t: ad.pushforward(f, *args, tangent=t, backend=reference)) for t in tangents]  # type: ignore[misc]
+    ref_jac = reference_call(lambda: ad.jacobian(f, *args, backend=reference)) if small and "jacobian" in chosen else None
+    ref_hess = reference_call(lambda: ad.hessian(f, *args, backend=reference)) if small and "hessian" in chosen else None
 
     for backend in backends:
         label = f"{backend!r}"
@@ -159,7 +167,7 @@ def check(
                 if hvp is not None:
                     # finite differences of the backend's gradient (checked above) along u
                     outer = ad.SecondOrder(reference, backend) if isinstance(reference, AutoFiniteDifferences) else reference
-                    expected = ad.hvp(f, *args, tangent=u, backend=outer)
+                    expected = reference_call(lambda u=u: ad.hvp(f, *args, tangent=u, backend=outer))  # type: ignore[misc]
                     compare(f"hvp[u{i}] on {label} vs the reference's derivative of the gradient", hvp, expected, True)
         if "pushforward" in chosen and len(tangents) > 1:
             batch = run("pushforward(tangents=[...])", lambda: ad.pushforward(f, *args, tangents=tangents, backend=backend))
