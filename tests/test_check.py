@@ -109,3 +109,14 @@ def test_a_reference_hvp_at_a_kink_of_the_gradient_is_undecided_not_a_failure():
     off = torch.tensor([0.5, 1.0, -1.0], dtype=torch.float64)  # away from the kink: decided, and right
     report = check(lambda x: (torch.relu(x) ** 2).sum(), Active(off), operators=["hvp"])
     assert report.passed and not report.unreliable and not report.failed
+
+
+def test_a_reference_that_is_not_finite_at_a_domain_edge_is_undecided_not_a_failure():
+    """sqrt at 0: a step leaves the domain, the reference gives nan where AD gives inf. Once a
+    FAIL of a correct backend; now undecided, naming the cause. Inside the domain it passes."""
+    import torch
+
+    report = check(lambda x: torch.sqrt(x).sum(), Active(torch.tensor([0.0, 1.0, 4.0], dtype=torch.float64)), operators=["gradient"])
+    assert not report.failed and report.unreliable and "not finite" in report.unreliable[0]
+    report = check(lambda x: torch.sqrt(x).sum(), Active(torch.tensor([0.5, 1.0, 4.0], dtype=torch.float64)), operators=["gradient"])
+    assert report.passed and not report.unreliable and not report.failed

@@ -109,6 +109,8 @@ def check(
         except AssertionError as error:
             if reference_used and unreliable:
                 report.unreliable.append(f"{name}: reference unreliable: {unreliable[0]}")
+            elif reference_used and not _finite(expected):
+                report.unreliable.append(f"{name}: reference unreliable: {_NOT_FINITE}")
             else:
                 report.failed.append(f"{name}: {error}")
         else:
@@ -189,6 +191,19 @@ def check(
     if report.failed:
         raise AssertionError(f"activity.testing.check: {len(report.failed)} check(s) failed\n{report}")
     return report
+
+
+_NOT_FINITE = (
+    "the reference's derivative is not finite here: f is not differentiable at this point (a domain "
+    "edge such as sqrt or log at 0, where a step leaves the domain); move the point inside the domain"
+)
+
+
+def _finite(tree: Any) -> bool:
+    """Whether every floating value of ``tree`` is finite."""
+    return all(
+        bool(np.isfinite(to_float64(leaf)).all()) for leaf in flatten(tree)[0] if arrays.is_array(leaf) or isinstance(leaf, float)
+    )
 
 
 def _call(f: Callable[..., Any], values: tuple[Any, ...]) -> Any:
