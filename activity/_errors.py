@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 
 class UnsupportedError(NotImplementedError):
     """A backend does not support an operator, annotation kind or input type."""
@@ -44,3 +47,18 @@ def drop_jax_note(error: BaseException) -> None:
     if cause is not None and type(cause).__name__ == "UnfilteredStackTrace" and type(cause).__module__.startswith("jax"):
         error.__cause__, error.__context__ = cause.__cause__, cause.__context__
         error.__suppress_context__ = cause.__suppress_context__
+
+
+# Frames a warning walks past to reach the user's call: activity's own, and those of the
+# frameworks that run f (a warning may be raised while JAX traces, or inside torch's dispatch).
+_LIBRARY_FRAMES = ("activity", "jax", "jaxlib", "torch")
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for `warnings.warn` that points at the caller's code: the first
+    frame outside activity and the frameworks that run f."""
+    frame: types.FrameType | None
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY_FRAMES:
+        frame, level = frame.f_back, level + 1
+    return level

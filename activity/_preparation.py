@@ -9,7 +9,7 @@ from typing import Any, Callable, Generic, ParamSpec, Sequence, TypeVar, overloa
 
 from . import _arrays as arrays
 from ._annotations import Annotation
-from ._errors import PreparationMismatchError, drop_jax_note
+from ._errors import PreparationMismatchError, caller_stacklevel, drop_jax_note
 from ._operators._common import (
     Operator,
     Plan,
@@ -338,8 +338,6 @@ class Prepared(Generic[R]):
             warn = self._new_signatures > WARN_AFTER and not self._warned
             self._warned |= warn
         if warn:
-            from .backends._jax import caller_stacklevel
-
             warnings.warn(self._keeps_preparing(previous, key, values), stacklevel=caller_stacklevel())
         return plan
 

@@ -21,6 +21,7 @@ import attrs
 import numpy as np
 
 from .. import _arrays as arrays
+from .._errors import caller_stacklevel
 from ._base import Backend, Flat, FlatFunction
 
 
@@ -258,7 +259,7 @@ class AutoFiniteDifferences(Backend):
         low = _warn_if_unreliable(F, ys, xs)
         # Where f rounds to a lower precision, steps below about eps**(1/3) of it give differences
         # of rounding noise (the central difference's best step): a run of steps stops there.
-        smallest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) ** (1 / 3) for d in low), default=0.0)
+        smallest = _coarsest_rounding(low) ** (1 / 3)
         ts = tuple(_to_float64(t) for t in ts)
         scale = _max_abs(ts)
         if scale == 0.0:
@@ -319,8 +320,6 @@ class AutoFiniteDifferences(Backend):
                 central(confirm)
                 kinked = len(bends) > known and _kinked(best_bends[-1], bends[-1], best, resolution)  # type: ignore[arg-type]
         if kinked:
-            from ._jax import caller_stacklevel  # imports no framework
-
             warnings.warn(
                 f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f is not "
                 f"differentiable at this point, or has a kink closer to it than the smallest step tried (a ReLU "
@@ -482,6 +481,11 @@ def _compiled_for(F: Any) -> _Compiled:
 _EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
+def _coarsest_rounding(dtype_names: list[str]) -> float:
+    """The largest rounding unit among ``dtype_names`` (numpy's or torch's names; 0.0 for none)."""
+    return max((_EPS.get(name.removeprefix("torch."), 2.0**-23) for name in dtype_names), default=0.0)
+
+
 def _low_precision(ys: Flat) -> list[str]:
     """The floating dtypes below float64 among ``ys``."""
     return sorted({str(y.dtype) for y in ys if arrays.dtype_kind(y) == "f" and _bits(y) < 64})
@@ -493,7 +497,6 @@ def _warn_if_unreliable(F: FlatFunction, ys: Flat, xs: Flat) -> list[str]:
     evaluated on the host returns float64 arrays: it recorded f's own dtypes. Returns them.
     Also says so where the float64 mode changed f's random draws, and where f, evaluated again
     at ``xs``, returns other values than ``ys``."""
-    from ._jax import caller_stacklevel  # imports no framework
     low: list[str] | None = getattr(F, "low_precision", None)
     if low is None:
         low = _low_precision(ys)
@@ -532,7 +535,7 @@ def _resolution(ys: Flat, low: list[str]) -> float:
     """How far apart two evaluations of f must be to differ in its floating outputs: each output's
     machine epsilon times its largest magnitude (0 when none is finite: no floor to apply).
     ``low``: f's own dtypes below float64, where its outputs were made float64 on the host."""
-    coarsest = max((_EPS.get(d.removeprefix("torch."), 2.0**-23) for d in low), default=0.0)
+    coarsest = _coarsest_rounding(low)
     widest = 0.0
     for y in ys:
         if arrays.dtype_kind(y) != "f" or not arrays.size(y):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import operator
-import sys
 import threading
 import types
 import warnings
@@ -16,6 +15,7 @@ import optree
 
 from .. import _arrays as arrays
 from .._problem import STATIC, array_meta, combine, partition
+from .._errors import caller_stacklevel
 from .._imports import optional, require
 from .._tree import NAMESPACE, captured_values, flatten, rebuilder, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
@@ -506,13 +506,3 @@ def _stale_reason(leaf: Any) -> str | None:
 
 def _captures_writable_numpy(function: Any) -> bool:
     return any(isinstance(value, np.ndarray) and value.flags.writeable for value in captured_values(function))
-
-
-def caller_stacklevel() -> int:
-    """The ``stacklevel`` for `warnings.warn` that points at the caller's code: the first
-    frame outside activity and JAX (a warning may be raised while JAX traces)."""
-    frame: types.FrameType | None
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("activity", "jax", "jaxlib"):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import attrs
 
-from .._errors import UnsupportedError
+from .._errors import UnsupportedError, caller_stacklevel
 from .._tree import captured_values
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
@@ -591,16 +591,8 @@ def warn_changed_tensors(described: dict[Any, Any], versions: list[int], op_name
         f"would change it, and the derivatives are taken at the values f used. Keep f from writing its "
         f"parameters (renormalize outside f, or pass a copy of the module).",
         RuntimeWarning,
-        stacklevel=_caller_level(),
+        stacklevel=caller_stacklevel(),
     )
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside activity and torch: the user's call."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("activity", "torch"):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 # The hook dicts of a module, keyed by handle id (`torch.utils.hooks.RemovableHandle`).
