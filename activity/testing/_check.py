@@ -17,7 +17,6 @@ models included. Every derivative is compared with an independent answer:
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -27,8 +26,8 @@ from .._annotations import Annotation
 from .._problem import describe_type
 from .._tree import flatten, unflatten
 from ..backends import resolve_backend
-from ..backends._finite_differences import AutoFiniteDifferences, ReferenceUnreliableWarning
-from ._compare import assert_tree_allclose, to_float64
+from ..backends._finite_differences import AutoFiniteDifferences
+from ._compare import assert_tree_allclose, run_reference, to_float64
 
 _SMALL = 64  # at most this many inputs and outputs: full Jacobians and Hessians are compared too
 
@@ -119,16 +118,10 @@ def check(
     unreliable: list[str] = []
 
     def reference_call(call: Callable[[], Any]) -> Any:
-        """``call()`` of the reference; what it warns it cannot decide is kept for `compare`."""
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ReferenceUnreliableWarning)
-            result = call()
-        for warning in caught:
-            if issubclass(warning.category, ReferenceUnreliableWarning):
-                if not unreliable:
-                    unreliable.append(warning.category.reason)
-            else:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        """``call()`` of the reference; why it says it cannot decide is kept for `compare`."""
+        result, reason = run_reference(call)
+        if reason is not None and not unreliable:
+            unreliable.append(reason)
         return result
 
     ref_jvps = [reference_call(lambda t=t: ad.pushforward(f, *args, tangent=t, backend=reference)) for t in tangents]  # type: ignore[misc]

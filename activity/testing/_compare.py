@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -128,3 +129,20 @@ def _safe_equal(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - == that is not a bool means "not comparable": unequal
         return False
+
+
+def run_reference(call: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``call()`` of a reference, and why it says it cannot decide (the ``reason`` of the first
+    `ReferenceUnreliableWarning` it raised), or None; its other warnings reach the user."""
+    from ..backends._finite_differences import ReferenceUnreliableWarning
+
+    reason = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ReferenceUnreliableWarning)
+        result = call()
+    for warning in caught:
+        if issubclass(warning.category, ReferenceUnreliableWarning):
+            reason = reason or warning.category.reason
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return result, reason

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
@@ -15,6 +14,7 @@ from .._annotations import Annotation
 from .._operators._common import operator_of
 from .._problem import describe_type
 from .._tree import flatten, leaf_paths
+from ._compare import run_reference
 
 
 def _refuse_non_finite(result: Any, name: str | None, reference: Any) -> None:
@@ -239,16 +239,9 @@ class Scenario:
         reference = reference or activity.AutoFiniteDifferences()
         key = repr(reference)
         if key not in self._expected:
-            from ..backends._finite_differences import ReferenceUnreliableWarning
-
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", ReferenceUnreliableWarning)
-                result = self.run(reference)
-            for warning in caught:
-                if issubclass(warning.category, ReferenceUnreliableWarning):
-                    self._unreliable.setdefault(key, warning.category.reason)
-                else:
-                    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            result, reason = run_reference(lambda: self.run(reference))
+            if reason is not None:
+                self._unreliable.setdefault(key, reason)
             _refuse_non_finite(result, self.name, reference)
             if key not in self._unreliable and isinstance(reference, activity.AutoFiniteDifferences):
                 cause = _reads_what_it_writes(self)
