@@ -411,3 +411,54 @@ def test_intact_passes_when_nothing_changed(intact):
     tree = {"a": np.array([1.0, np.nan]), "j": jnp.ones(2), "l": [np.ones(2), "s", None]}
     with intact(tree):
         _mutations()[1](tree)
+
+
+class _Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+class _Checked(collections.namedtuple("_Checked", "value mask")):
+    """A namedtuple whose constructor refuses None, as torch's PackedSequence does."""
+
+    def __new__(cls, value, mask):
+        if value is None:
+            raise TypeError("value must be given")
+        return super().__new__(cls, value, mask)
+
+
+_REBUILT_STRUCTURES = {
+    "dict in insertion order": lambda a, b, c: {"w1": a, "b1": b, "w2": c},
+    "mask with None": lambda a, b, c: {"body": [(None, None), (a, None)], "head": {"w": b, "b": c}},
+    "nested lists and tuples": lambda a, b, c: [a, (b,), {"z": [c, None], "a": ()}],
+    "odd keys": lambda a, b, c: {"it's": a, 3: b, (1, "x"): c, None: []},
+    "namedtuple": lambda a, b, c: _Pair(a, {"x": (b, c)}),
+    "validating namedtuple": lambda a, b, c: [_Checked(a, None), b, c],
+    "ordered and default dicts": lambda a, b, c: [collections.OrderedDict(b=a, a=b), collections.defaultdict(int, k=c)],
+}
+
+
+def _layout(tree, containers):
+    """``tree`` drawn with its container types, key order and the identity of each array."""
+    if isinstance(tree, np.ndarray):
+        return f"array@{id(tree)}"
+    if tree is None:
+        return "None"
+    containers.append(tree)
+    if isinstance(tree, dict):
+        return f"{type(tree).__name__}{{" + ", ".join(f"{k!r}: {_layout(v, containers)}" for k, v in tree.items()) + "}"
+    return f"{type(tree).__name__}(" + ", ".join(_layout(v, containers) for v in tree) + ")"
+
+
+@pytest.mark.parametrize("build", _REBUILT_STRUCTURES.values(), ids=_REBUILT_STRUCTURES.keys())
+def test_rebuilder_builds_the_structure_with_each_leaf_in_its_place(build):
+    from activity._tree import flatten, rebuilder
+
+    leaves, spec = flatten(build("a", "b", "c"))
+    arrays = [np.full(2, float(index)) for index in range(len(leaves))]
+    want = build(*(arrays[leaves.index(name)] for name in "abc"))
+    rebuild = rebuilder(spec)
+    first, second = [], []
+    assert _layout(rebuild(arrays), first) == _layout(want, [])
+    _layout(rebuild(arrays), second)  # each call builds its own containers: a caller may change them
+    assert not {id(c) for c in first if isinstance(c, (list, dict))} & {id(c) for c in second if isinstance(c, (list, dict))}

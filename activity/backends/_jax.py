@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import threading
 import types
@@ -307,10 +308,6 @@ def _with_static_output(function: Callable[..., Any], output: dict[str, Any], fi
                 return tuple(leaves)
         if keeps:
             return out
-        if type(out) is dict and all(map(_is_jax_array, out.values())):
-            # A flat dict of arrays (a gradient of a dict of parameters): its arrays leave in
-            # the dict's own order, and it is rebuilt by its keys alone.
-            return _Output(_Static(None, tuple(out)), list(out.values()))
         dynamic, static = partition(out)
         return _Output(_Static(static), dynamic)
 
@@ -339,21 +336,15 @@ class _Static:
     """The static part of a result, as JAX node data: hashed and compared by identity, as
     it may hold unhashable leaves (and one trace's output never equals another's)."""
 
-    __slots__ = ("value", "arrays_only", "keys")
+    __slots__ = ("value", "rebuild")
 
-    def __init__(self, value: tuple[Any, ...] | None, keys: tuple[Any, ...] | None = None):
+    def __init__(self, value: tuple[Any, ...]):
         self.value = value  # `partition`'s static part: (structure, which leaves are arrays, the others)
-        self.arrays_only = value is None or all(value[1])
-        self.keys = keys  # a flat dict of arrays: its keys, in the order of its arrays among the outputs
-
-    def rebuild(self, dynamic: Any) -> Any:
-        """The result, from the arrays of an `_Output`."""
-        if self.keys is not None:
-            return dict(zip(self.keys, dynamic))
-        assert self.value is not None
-        if self.arrays_only:  # a nested structure of arrays: no leaves to put back
-            return unflatten(self.value[0], dynamic)
-        return combine(list(dynamic), self.value)
+        # `rebuild(arrays)`: the result, from the arrays of an `_Output`
+        if all(value[1]):  # a structure of arrays: nothing to put back but them
+            self.rebuild: Callable[[Any], Any] = rebuilder(value[0])
+        else:
+            self.rebuild = functools.partial(combine, static=value)
 
 
 _output_lock = threading.Lock()
