@@ -437,6 +437,21 @@ def _redirect_all(plan: _ViewPlan, views: list[Any]) -> None:
 _DATA_PTR = operator.methodcaller("data_ptr")
 
 
+def _copier(targets: list[Any], sources: list[Any]) -> Callable[[], Any]:
+    """``targets[i].copy_(sources[i])`` for every i, as one call: plain tensors (BatchNorm
+    statistics) in one ``torch._foreach_copy_`` (one dispatch for all, not one each)."""
+    import torch
+
+    if len(targets) > 1 and hasattr(torch, "_foreach_copy_") and all(type(t) is torch.Tensor for t in (*targets, *sources)):
+        return functools.partial(torch._foreach_copy_, targets, sources)
+
+    def each() -> None:
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+
+    return each
+
+
 class ReusedView:
     """A view of an Active module built once and re-pointed on every call, with tape leaves
     made once that alias the trainable parameters (``detach()``: the same storage, so
@@ -461,6 +476,7 @@ class ReusedView:
         # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
         self.held = [convert(t) for t in plan.sources]
         self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t)
+        self.copy_kept = _copier([self.held[i] for i in self.kept], [plan.sources[i] for i in self.kept])
         # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
         self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
         copies: list[Any] = []
@@ -492,9 +508,8 @@ class ReusedView:
             state.update(own)
         # Every call: f may have changed a copy (BatchNorm statistics), and kernels that update
         # them do not all move the version counter, so nothing tells whether it did.
-        sources, held = self.plan.sources, self.held
-        for i in self.kept:
-            held[i].copy_(sources[i])
+        self.copy_kept()
+        held = self.held
         for slots, key, index in self.refills:
             slots[key] = held[index]  # f may have assigned another tensor to the slot
         if self.plan.redirects:
