@@ -334,6 +334,7 @@ class Problem:
         self.module_unselected: dict[tuple[int, int], list[str]] = {}  # a where= left them out
         self._described: dict[tuple[int, int], Any] = {}  # the last description of each module argument
         self._watched = False  # whether f has run on these arguments (see `call`)
+        self.forward_writes_checked = False  # torch: whether a forward-mode f ran on copies (`AutoTorch.jvp`)
         self._hook_handles: Any = None  # torch.utils.hooks.RemovableHandle, once f has run
         self.arrays_only: bool = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for

@@ -1110,3 +1110,22 @@ def test_the_hessian_of_mse_loss_of_a_scalar_falls_back_where_forward_over_rever
         torch.func.jacfwd(torch.func.grad(f))(x)  # torch's own failure, the reason for the fallback
     torch.testing.assert_close(ad.hessian(f, Active(x)), torch.tensor(2.0, dtype=torch.float64))
     torch.testing.assert_close(ad.prepare(ad.hessian, f, Active(x))(x), torch.tensor(2.0, dtype=torch.float64))
+
+
+def test_a_prepared_pushforward_refuses_an_in_place_write_of_f_on_a_later_call_too():
+    # The first call runs on copies; a write f makes only later (a data-dependent branch) goes
+    # through the dual views to the user's tensor, and is refused loudly rather than silently.
+    calls = []
+
+    def f(x, c):
+        calls.append(1)
+        if len(calls) > 1:
+            x.mul_(2.0)
+        return x * c
+
+    x, c, t = torch.ones(3), torch.full((3,), 3.0), torch.ones(3)
+    prepared = ad.prepare(ad.pushforward, f, Active(x), Constant(c), tangent=t)
+    calls.clear()
+    torch.testing.assert_close(prepared(x, c, tangent=t), c)  # d(x * c) along t = c
+    with pytest.raises(RuntimeError, match=r"in place \(the Active argument 0.*now holds the changed values"):
+        prepared(x, c, tangent=t)

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import operator
 import threading
 import warnings
 from typing import Any, Callable, ClassVar
@@ -325,6 +326,22 @@ class AutoTorch(Backend):
                 return _func_jvp(F, xs, ts, batched, self)
             except _NoTangent as error:  # no tape in here to tell the two causes apart
                 raise _disconnected(error.op_name) from None
+        # Forward mode hands f views of the Active tensors, so an in-place write of f's would go
+        # through to the user's tensors (reverse mode refuses it on its leaves). A problem's first
+        # call runs on copies and refuses such a write with the user's tensors untouched; later
+        # calls are watched by the version counters the views share with the tensors.
+        problem: Any = getattr(F, "problem", None)
+        first = problem is not None and not problem.forward_writes_checked
+        given = tuple(map(_fresh_copy, xs)) if first else xs
+        versions = tuple(map(_VERSION, given))
+        result = self._jvp_on_the_tape(F, given, ts, batched)
+        if tuple(map(_VERSION, given)) != versions:
+            raise _written_through(F, first)
+        if first:
+            problem.forward_writes_checked = True
+        return result
+
+    def _jvp_on_the_tape(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
         state = _rng_state()
         try:
             # One tangent through f itself (not a gradient function another transform made):
@@ -602,6 +619,29 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
         return ys, aux
 
     return checked
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+def _fresh_copy(x: Any) -> Any:
+    """A copy of a differentiated tensor with its flags (a leaf that requires grad, as ``x`` is)."""
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def _written_through(F: FlatFunction, on_copies: bool) -> RuntimeError:
+    problem = getattr(F, "problem", None)
+    active = "argument" if problem is None else ", ".join(problem.label(i) for i in problem.active_positions)
+    where = (
+        "This call ran on copies: your tensors are unchanged."
+        if on_copies
+        else "In forward mode f gets views of your tensors, so the write went through: the tensor you passed now holds the changed values."
+    )
+    return RuntimeError(
+        f"f changes a differentiated tensor in place (the Active {active}): an in-place operation, which "
+        f"activity refuses in every mode, as torch's reverse mode does. {where} Compute out of place or on a copy "
+        f"(x = x.clone()); pass scratch space that f writes as Cache(buffer), and data as Constant(x)."
+    )
 
 
 def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat] | None:
