@@ -336,6 +336,7 @@ class Problem:
         self._watched = False  # whether f has run on these arguments (see `call`)
         self.forward_writes_checked = False  # torch: whether a forward-mode f ran on copies (`AutoTorch.jvp`)
         self._hook_handles: Any = None  # torch.utils.hooks.RemovableHandle, once f has run
+        self._parametrize: Any = None  # torch.nn.utils.parametrize, once f has run on modules (see `call`)
         self.arrays_only: bool = True  # every leaf of every argument is an array: a backend may take them whole
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
@@ -695,22 +696,37 @@ class Problem:
         """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
         traceback, with a note saying where. Where the arguments hold torch modules, hooks f
         registers on them are taken off again, and on the first call writes f makes to their
-        tensors outside the tape are warned of (`backends._torch_modules.watched_call`)."""
+        tensors outside the tape are warned of (`backends._torch_modules.watched_call`), and inside
+        ``torch.nn.utils.parametrize.cached()`` f runs with a parametrization cache of its own
+        (`backends._torch_parametrize`)."""
         described = self._described
         if described:
-            if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
-                watch = sys.modules["activity.backends._torch_modules"]
-                self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
-                self._watched = True
-                return watch.watched_call(described, self._call, f, values, self.op_name, self.label, True)
-            handles = self._hook_handles
-            first = handles.next_id  # counts every hook torch registers
-            try:
-                return self._call(f, values)
-            finally:
-                if handles.next_id != first:
-                    sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
+            parametrize = self._parametrize
+            if parametrize is None:
+                from .backends._torch_parametrize import parametrize_module
+
+                parametrize = self._parametrize = parametrize_module()
+            if parametrize._cache_enabled:  # a `parametrize.cached()` block is open: f gets a cache of its own
+                from .backends._torch_parametrize import call_with_own_cache
+
+                return call_with_own_cache(parametrize, self._call_on_modules, f, values)
+            return self._call_on_modules(f, values)
         return self._call(f, values)
+
+    def _call_on_modules(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
+        described = self._described
+        if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
+            watch = sys.modules["activity.backends._torch_modules"]
+            self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
+            self._watched = True
+            return watch.watched_call(described, self._call, f, values, self.op_name, self.label, True)
+        handles = self._hook_handles
+        first = handles.next_id  # counts every hook torch registers
+        try:
+            return self._call(f, values)
+        finally:
+            if handles.next_id != first:
+                sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
 
     def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         try:
