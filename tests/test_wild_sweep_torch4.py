@@ -10,6 +10,7 @@ copy of the model built the same way. Each call is also checked to leave the use
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -131,3 +132,84 @@ def test_parametrize_cached_inside_f_and_second_order():
             got = ad.hvp(loss, Active(model), Constant(x), tangent=tangent, backend=ad.AutoTorch(hvp_mode=mode))
             assert_close_dicts(got, want_hvp)
     assert intact()
+
+
+# ---------------------------------------------------------------- parameters held outside the slots
+
+
+class HeldElsewhere(nn.Module):
+    """Parameters and a buffer its forward reaches through plain Python containers as well
+    as through its slots, as models that keep lists of their weights do."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.inner = nn.Linear(4, 4, dtype=torch.float64)
+        self.head = nn.Linear(4, 4, dtype=torch.float64)
+        self.register_buffer("seen", torch.zeros(4, dtype=torch.float64))
+        self.how = how
+        if how == "list":
+            self.extra = [self.inner.weight, self.seen]
+        elif how == "dict":
+            self.extra = {"weight": self.inner.weight, "seen": self.seen}
+        else:  # a partial bound to the tensors
+            self.project = functools.partial(nn.functional.linear, weight=self.head.weight, bias=self.head.bias)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        if self.how == "partial":
+            return self.project(h)
+        weight, seen = (self.extra[0], self.extra[1]) if self.how == "list" else (self.extra["weight"], self.extra["seen"])
+        with torch.no_grad():
+            seen.add_(1.0)  # a running count, written in place
+        return self.head(h @ weight) * (1 + seen)
+
+
+def held_elsewhere(how: str) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return HeldElsewhere(how)
+
+
+@pytest.mark.parametrize("how", ["list", "dict", "partial"])
+def test_a_parameter_held_in_a_plain_container_is_differentiated_there_too(how):
+    """The view redirected plain containers of submodules, not of tensors: f's forward reached
+    the user's own parameter through ``self.extra``, which no tape leaf stands for, and that
+    path's contribution was silently missing (a.weight off by 1.3 here); the running count
+    written through the list went to the user's buffer."""
+    model, xs = held_elsewhere(how), (randn(3, 4, seed=1), randn(3, 4, seed=2))
+    intact = untouched(Active(model), Constant(xs[0]))
+    prepared = ad.prepare(ad.gradient, squared, Active(model), Constant(xs[0]))
+    for x in xs:
+        want = raw_gradient(squared, held_elsewhere(how), x)
+        assert_close_dicts(ad.gradient(squared, Active(model), Constant(x)), want)
+        assert_close_dicts(prepared(model, x), want)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the reference's precision notes
+            got = ad.gradient(squared, Active(model), Constant(x), backend=FD)
+        assert_close_dicts(got, want, rtol=1e-6, atol=1e-8)
+    assert intact()
+
+
+class Scaled(nn.Module):
+    def __init__(self, over: str):
+        super().__init__()
+        self.inner = nn.Linear(4, 4, dtype=torch.float64)
+        self.register_buffer("scale", torch.full((4,), 2.0, dtype=torch.float64))
+        held = self.inner.weight if over == "parameter" else self.scale
+        self.rescale = lambda h: h * held.sum(0)
+
+    def forward(self, x):
+        return self.rescale(torch.tanh(self.inner(x)))
+
+
+def test_a_function_attribute_closing_over_a_parameter_is_refused_and_over_a_buffer_runs():
+    """A closure cannot be pointed at the view: over a trainable parameter its path would be
+    silently left out, so it is refused; over a buffer it reads the user's values, the view's."""
+    x = randn(3, 4, seed=1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        over_parameter, over_buffer = Scaled("parameter"), Scaled("buffer")
+    with pytest.raises(ad.UnsupportedError, match=r"Scaled\.rescale is a function that reaches a module or a parameter"):
+        ad.gradient(squared, Active(over_parameter), Constant(x))
+    want = raw_gradient(squared, copy.deepcopy(over_buffer), x)
+    assert_close_dicts(ad.gradient(squared, Active(over_buffer), Constant(x)), want)

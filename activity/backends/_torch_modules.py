@@ -10,9 +10,11 @@ The view must behave like the module *as it is called*, so three things in a
 module's ``__dict__`` are redirected to the view: bound methods and
 ``functools.partial`` objects that refer to a module of the tree (an instance
 level ``forward``, accelerate's hooks), plain lists, tuples and dicts of its
-submodules, and compilation (``torch.compile(m)``'s wrapper and
-``m.compile()``), which is bypassed: the view runs the module's own eager code,
-the same computation. A function that captures the module in a closure cannot
+submodules, parameters and buffers (``self.extra = [self.lin.weight]``: the
+view's tensor, the tape leaf of a differentiated one), and compilation
+(``torch.compile(m)``'s wrapper and ``m.compile()``), which is bypassed: the
+view runs the module's own eager code, the same computation. A function that
+captures the module, or one of its trainable parameters, in a closure cannot
 be redirected and is refused before ``f`` runs.
 """
 
@@ -176,10 +178,11 @@ def describe_module(module: Any) -> ModuleDescription:
     names_of = _module_names(module)
     redirected = {}
     optimized = _optimized_module_type()
+    tree = _Tree(frozenset(seen.union(map(id, tensors))), frozenset(map(id, params)))
     for m in modules:
         if optimized is not None and isinstance(m, optimized):
             continue  # a view replaces it by its `_orig_mod` (see `bound_view`)
-        keys = _redirected_keys(m, seen, names_of)
+        keys = _redirected_keys(m, tree, names_of)
         if keys:
             redirected[id(m)] = keys
     return ModuleDescription(
@@ -231,8 +234,16 @@ def _module_names(module: Any) -> dict[int, str]:
     return {id(m): name or type(m).__name__ for name, m in module.named_modules(remove_duplicate=True)}
 
 
-def _redirected_keys(m: Any, tree: set[int], names_of: dict[int, str]) -> tuple[str, ...]:
-    """The keys of ``m.__dict__`` whose values refer to a module of the tree (checked here, once)."""
+@attrs.frozen
+class _Tree:
+    """The ids of what a described module holds, for `_refers_to_tree`."""
+
+    members: frozenset[int]  # its modules, parameters and buffers
+    trainable: frozenset[int]  # its trainable parameters
+
+
+def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str, ...]:
+    """The keys of ``m.__dict__`` whose values refer to a module or tensor of the tree (checked here, once)."""
     torch_nn = sys.modules["torch"].nn
     keys = []
     for key, value in m.__dict__.items():
@@ -245,16 +256,17 @@ def _redirected_keys(m: Any, tree: set[int], names_of: dict[int, str]) -> tuple[
     return tuple(keys)
 
 
-def _refers_to_tree(value: Any, tree: set[int], where: str, depth: int) -> bool:
-    """Whether ``value`` refers to a module of the tree in a way a view can redirect; raises
-    for a function whose closure holds one (it would run the user's module, not the view)."""
+def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
+    """Whether ``value`` refers to a module, parameter or buffer of the tree in a way a view can
+    redirect; raises for a function whose closure holds a module or trainable parameter (it would
+    run the user's module, or differentiate nothing through the parameter)."""
     if depth > 3:
         return False
-    module_type = sys.modules["torch"].nn.Module
-    if isinstance(value, module_type):
-        return id(value) in tree
+    torch = sys.modules["torch"]
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return id(value) in tree.members
     if isinstance(value, types.MethodType):
-        return id(value.__self__) in tree or _refers_to_tree(value.__func__, tree, where, depth + 1)
+        return id(value.__self__) in tree.members or _refers_to_tree(value.__func__, tree, where, depth + 1)
     if isinstance(value, functools.partial):
         parts = (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values())
         return any([_refers_to_tree(part, tree, where, depth + 1) for part in parts])
@@ -264,21 +276,25 @@ def _refers_to_tree(value: Any, tree: set[int], where: str, depth: int) -> bool:
         return any([_refers_to_tree(item, tree, where, depth + 1) for item in value.values()])
     if isinstance(value, types.FunctionType):  # its closure, or a global name, may hold the module
         for content in captured_values(value):
-            if _refers_to_tree(content, tree, where, depth + 1):
+            # (a buffer it reads is the user's, unchanged: the same values as the view's copy)
+            held = id(content) in tree.trainable or (
+                not isinstance(content, torch.Tensor) and _refers_to_tree(content, tree, where, depth + 1)
+            )
+            if held:
                 raise UnsupportedError(
-                    f"activity: the attribute {where} is a function that reaches a module of the argument "
-                    f"through a closure or a global name. activity runs a view of the module (the "
-                    f"differentiated parameters, copies of the buffers), and that function would run the "
-                    f"original instead. Make it a method or functools.partial(function, module), or remove "
-                    f"it before differentiating."
+                    f"activity: the attribute {where} is a function that reaches a module or a parameter of "
+                    f"the argument through a closure or a global name. activity runs a view of the module "
+                    f"(the differentiated parameters, copies of the buffers), and that function would use "
+                    f"the original instead. Make it a method or functools.partial(function, module), or "
+                    f"remove it before differentiating."
                 )
     return False
 
 
 def _redirect(value: Any, views: dict[int, Any]) -> Any:
-    """``value`` with every module of the tree replaced by its view (see `_refers_to_tree`)."""
-    module_type = sys.modules["torch"].nn.Module
-    if isinstance(value, module_type):
+    """``value`` with every module and tensor of the tree replaced by the view's (see `_refers_to_tree`)."""
+    torch = sys.modules["torch"]
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
         return views.get(id(value), value)
     if isinstance(value, types.MethodType):
         return types.MethodType(_redirect(value.__func__, views), _redirect(value.__self__, views))
@@ -321,6 +337,7 @@ class _ViewPlan:
     root: int
     redirects: tuple[Any, ...]  # (step, keys) to redirect after every view exists
     step_of: tuple[Any, ...]  # (id(module), step) for every module of the tree, torch.compile wrappers included
+    tensor_of: tuple[Any, ...]  # (id(tensor), index into the call's tensors) for every parameter and buffer
 
 
 def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
@@ -371,9 +388,40 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
         for i, step in enumerate(steps)
         if isinstance(step, _Copy) and id(step.original_ref()) in module.redirected
     )
+    # Only the tensors a redirected value holds: a view redirects on every call.
+    held: set[int] = set()
+    for step_index, keys in redirects:
+        original = steps[step_index].original_ref()
+        for key in keys:
+            _tensor_ids(original.__dict__[key], held, depth=0)
     return _ViewPlan(
-        tuple(steps), tuple(sources), len(module.params) if active else 0, root, redirects, tuple(index_of.items())
+        tuple(steps),
+        tuple(sources),
+        len(module.params) if active else 0,
+        root,
+        redirects,
+        tuple(index_of.items()),
+        tuple((t, index) for t, index in tensor_index.items() if t in held),
     )
+
+
+def _tensor_ids(value: Any, found: set[int], depth: int) -> None:
+    """Add to ``found`` the ids of the tensors ``value`` holds where `_redirect` reaches them."""
+    if depth > 3:
+        return
+    if isinstance(value, sys.modules["torch"].Tensor):
+        found.add(id(value))
+    elif isinstance(value, types.MethodType):
+        _tensor_ids(value.__func__, found, depth + 1)
+    elif isinstance(value, functools.partial):
+        for part in (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values()):
+            _tensor_ids(part, found, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _tensor_ids(item, found, depth + 1)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensor_ids(item, found, depth + 1)
 
 
 def _plan_of(module: ModuleDescription, active: bool) -> _ViewPlan:
@@ -422,12 +470,13 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
             own = (*_SLOTS, "_flat_weights", "_flat_weight_refs") if step.rnn else _SLOTS
             copies.append((step.original_ref, state, {key: state[key] for key in own if key in state}))
     if plan.redirects:  # after every view exists: a method may refer to a parent
-        _redirect_all(plan, views)
+        _redirect_all(plan, views, tensors)
     return views
 
 
-def _redirect_all(plan: _ViewPlan, views: list[Any]) -> None:
+def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None:
     by_id = {module_id: views[step] for module_id, step in plan.step_of}
+    by_id.update((tensor_id, tensors[index]) for tensor_id, index in plan.tensor_of)
     for step, keys in plan.redirects:
         original, state = plan.steps[step].original_ref(), views[step].__dict__
         for key in keys:
@@ -513,7 +562,7 @@ class ReusedView:
         for slots, key, index in self.refills:
             slots[key] = held[index]  # f may have assigned another tensor to the slot
         if self.plan.redirects:
-            _redirect_all(self.plan, self.views)
+            _redirect_all(self.plan, self.views, [*self.leaves, *held])
 
     def empty(self) -> bool:
         """Reduce an idle view to its own slots; False (nothing changed) where it cannot serve
