@@ -9,9 +9,13 @@ copy of the model built the same way. Each call is also checked to leave the use
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
 import functools
+import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -137,6 +141,26 @@ def test_parametrize_cached_inside_f_and_second_order():
 # ---------------------------------------------------------------- parameters held outside the slots
 
 
+Pair = collections.namedtuple("Pair", "weight seen")
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    weight: torch.Tensor
+    seen: torch.Tensor
+
+
+class Child(nn.Module):
+    """A submodule that reaches its parent's tensors through a weak reference (no cycle of modules)."""
+
+    def __init__(self, parent: nn.Module):
+        super().__init__()
+        self.parent = weakref.ref(parent)
+
+    def forward(self, h):
+        return h @ self.parent().inner.weight
+
+
 class HeldElsewhere(nn.Module):
     """Parameters and a buffer its forward reaches through plain Python containers as well
     as through its slots, as models that keep lists of their weights do."""
@@ -147,18 +171,31 @@ class HeldElsewhere(nn.Module):
         self.head = nn.Linear(4, 4, dtype=torch.float64)
         self.register_buffer("seen", torch.zeros(4, dtype=torch.float64))
         self.how = how
-        if how == "list":
-            self.extra = [self.inner.weight, self.seen]
-        elif how == "dict":
-            self.extra = {"weight": self.inner.weight, "seen": self.seen}
-        else:  # a partial bound to the tensors
+        held = {
+            "list": lambda: [self.inner.weight, self.seen],
+            "dict": lambda: collections.OrderedDict(weight=self.inner.weight, seen=self.seen),
+            "namedtuple": lambda: Pair(self.inner.weight, self.seen),
+            "dataclass": lambda: Record(self.inner.weight, self.seen),
+            "namespace": lambda: types.SimpleNamespace(weight=self.inner.weight, seen=self.seen),
+        }
+        if how in held:
+            self.extra = held[how]()
+        elif how == "partial":
             self.project = functools.partial(nn.functional.linear, weight=self.head.weight, bias=self.head.bias)
+        else:
+            self.child = Child(self)
 
     def forward(self, x):
         h = torch.tanh(self.inner(x))
         if self.how == "partial":
             return self.project(h)
-        weight, seen = (self.extra[0], self.extra[1]) if self.how == "list" else (self.extra["weight"], self.extra["seen"])
+        if self.how == "weakref":
+            return self.head(self.child(h))
+        extra = self.extra
+        weight, seen = {
+            "list": lambda: extra,
+            "dict": lambda: (extra["weight"], extra["seen"]),
+        }.get(self.how, lambda: (extra.weight, extra.seen))()
         with torch.no_grad():
             seen.add_(1.0)  # a running count, written in place
         return self.head(h @ weight) * (1 + seen)
@@ -170,17 +207,18 @@ def held_elsewhere(how: str) -> nn.Module:
         return HeldElsewhere(how)
 
 
-@pytest.mark.parametrize("how", ["list", "dict", "partial"])
+@pytest.mark.parametrize("how", ["list", "dict", "namedtuple", "dataclass", "namespace", "partial", "weakref"])
 def test_a_parameter_held_in_a_plain_container_is_differentiated_there_too(how):
-    """The view redirected plain containers of submodules, not of tensors: f's forward reached
-    the user's own parameter through ``self.extra``, which no tape leaf stands for, and that
-    path's contribution was silently missing (a.weight off by 1.3 here); the running count
-    written through the list went to the user's buffer."""
+    """The view redirected lists, tuples and dicts of submodules, not of tensors, nor any
+    other container: f's forward reached the user's own parameter through ``self.extra``
+    (or a weak reference to the parent), which no tape leaf stands for, and that path's
+    contribution was silently missing (a.weight off by 1.3 here); the running count written
+    through the container went to the user's buffer."""
     model, xs = held_elsewhere(how), (randn(3, 4, seed=1), randn(3, 4, seed=2))
     intact = untouched(Active(model), Constant(xs[0]))
     prepared = ad.prepare(ad.gradient, squared, Active(model), Constant(xs[0]))
     for x in xs:
-        want = raw_gradient(squared, held_elsewhere(how), x)
+        want = raw_gradient(squared, held_elsewhere(how), x)  # (a deep copy would keep the weak reference)
         assert_close_dicts(ad.gradient(squared, Active(model), Constant(x)), want)
         assert_close_dicts(prepared(model, x), want)
         with warnings.catch_warnings():
@@ -188,6 +226,17 @@ def test_a_parameter_held_in_a_plain_container_is_differentiated_there_too(how):
             got = ad.gradient(squared, Active(model), Constant(x), backend=FD)
         assert_close_dicts(got, want, rtol=1e-6, atol=1e-8)
     assert intact()
+
+
+class Tuple2(tuple):
+    pass
+
+
+def test_a_tuple_subclass_holding_a_parameter_is_refused_by_name():
+    model = held_elsewhere("list")
+    model.extra = Tuple2(model.extra)  # cannot be rebuilt around the view's tensors
+    with pytest.raises(ad.UnsupportedError, match=r"HeldElsewhere\.extra is a Tuple2 \(a tuple subclass\)"):
+        ad.gradient(squared, Active(model), Constant(randn(3, 4, seed=1)))
 
 
 class Scaled(nn.Module):

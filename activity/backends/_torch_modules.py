@@ -9,7 +9,8 @@ shared by two arguments is differentiated only where it is Active.
 The view must behave like the module *as it is called*, so three things in a
 module's ``__dict__`` are redirected to the view: bound methods and
 ``functools.partial`` objects that refer to a module of the tree (an instance
-level ``forward``, accelerate's hooks), plain lists, tuples and dicts of its
+level ``forward``, accelerate's hooks), plain containers (lists, tuples,
+namedtuples, sets, dicts, dataclasses, namespaces, weak references) of its
 submodules, parameters and buffers (``self.extra = [self.lin.weight]``: the
 view's tensor, the tape leaf of a differentiated one), and compilation
 (``torch.compile(m)``'s wrapper and ``m.compile()``), which is bypassed: the
@@ -20,6 +21,8 @@ be redirected and is refused before ``f`` runs.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import itertools
 import operator
@@ -240,6 +243,8 @@ class _Tree:
 
     members: frozenset[int]  # its modules, parameters and buffers
     trainable: frozenset[int]  # its trainable parameters
+    # id -> whether that attribute value refers to the tree, for those many modules share (a model's config)
+    checked: dict[int, bool] = attrs.field(factory=dict)
 
 
 def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str, ...]:
@@ -270,10 +275,21 @@ def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
     if isinstance(value, functools.partial):
         parts = (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values())
         return any([_refers_to_tree(part, tree, where, depth + 1) for part in parts])
-    if isinstance(value, (list, tuple)):
-        return any([_refers_to_tree(item, tree, where, depth + 1) for item in value])
-    if isinstance(value, dict):
-        return any([_refers_to_tree(item, tree, where, depth + 1) for item in value.values()])
+    contents = _contents(value)
+    if contents is not None:
+        known = tree.checked.get(id(value)) if depth == 0 else None  # (deeper, the depth limit cuts differently)
+        if known is not None:
+            return known
+        found = any([_refers_to_tree(item, tree, where, depth + 1) for item in contents])
+        if depth == 0:
+            tree.checked[id(value)] = found
+        if found and isinstance(value, tuple) and type(value) is not tuple and not hasattr(value, "_make"):
+            raise UnsupportedError(
+                f"activity: the attribute {where} is a {type(value).__name__} (a tuple subclass) holding a module "
+                f"or tensor of the argument. activity runs a view of the module and cannot rebuild that "
+                f"{type(value).__name__} around the view's parts. Hold them in a list, tuple, dict or namedtuple."
+            )
+        return found
     if isinstance(value, types.FunctionType):  # its closure, or a global name, may hold the module
         for content in captured_values(value):
             # (a buffer it reads is the user's, unchanged: the same values as the view's copy)
@@ -307,12 +323,48 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
         for key, attribute in getattr(value, "__dict__", {}).items():  # __wrapped__ etc. (update_wrapper)
             setattr(new, key, _redirect(attribute, views))
         return new
-    if isinstance(value, (list, tuple)):
-        items = [_redirect(item, views) for item in value]
-        return type(value)(items) if type(value) in (list, tuple) else value
-    if type(value) is dict:
+    kind = type(value)
+    if kind is list or kind is tuple or kind is set or kind is frozenset:
+        return kind(_redirect(item, views) for item in value)
+    if kind is dict:
         return {k: _redirect(v, views) for k, v in value.items()}
+    if isinstance(value, tuple):  # a namedtuple (`_refers_to_tree` refused the others)
+        return kind._make(_redirect(item, views) for item in value)
+    if isinstance(value, weakref.ReferenceType):
+        target = value()
+        view = views.get(id(target), target)
+        return value if view is target else weakref.ref(view)
+    if isinstance(value, (list, dict)) or _is_record(value):  # subclasses (OrderedDict), dataclasses, namespaces
+        rebuilt: Any = copy.copy(value)
+        if isinstance(value, list):
+            rebuilt[:] = [_redirect(item, views) for item in value]
+        elif isinstance(value, dict):
+            rebuilt.update((k, _redirect(v, views)) for k, v in value.items())
+        else:
+            rebuilt.__dict__.update((k, _redirect(v, views)) for k, v in vars(value).items())
+        return rebuilt
     return value
+
+
+def _is_record(value: Any) -> bool:
+    """A dataclass instance or a ``types.SimpleNamespace``: attributes a view can rebuild in a copy."""
+    if isinstance(value, types.SimpleNamespace):
+        return True
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")
+
+
+def _contents(value: Any) -> Any:
+    """The values a plain container holds (lists, tuples, sets, dicts, dataclasses, namespaces, a
+    weak reference's target), which a view redirects (`_redirect`); None for anything else."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return value
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, weakref.ReferenceType):
+        return (value(),)
+    if _is_record(value):
+        return vars(value).values()
+    return None
 
 
 @attrs.frozen
@@ -416,11 +468,8 @@ def _tensor_ids(value: Any, found: set[int], depth: int) -> None:
     elif isinstance(value, functools.partial):
         for part in (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values()):
             _tensor_ids(part, found, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _tensor_ids(item, found, depth + 1)
-    elif isinstance(value, dict):
-        for item in value.values():
+    else:
+        for item in _contents(value) or ():
             _tensor_ids(item, found, depth + 1)
 
 
