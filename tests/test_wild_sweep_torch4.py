@@ -262,3 +262,105 @@ def test_a_function_attribute_closing_over_a_parameter_is_refused_and_over_a_buf
         ad.gradient(squared, Active(over_parameter), Constant(x))
     want = raw_gradient(squared, copy.deepcopy(over_buffer), x)
     assert_close_dicts(ad.gradient(squared, Active(over_buffer), Constant(x)), want)
+
+
+# ---------------------------------------------------------------- new kinds of input that work (representative)
+
+VOCAB = 64
+
+
+def token_batch(seed: int) -> dict:
+    """Right-padded ids with the padding left out of the loss."""
+    ids = torch.randint(3, VOCAB, (2, 6), generator=generator(seed))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_top_k_expert_routing_with_the_router_loss_over_training_steps():
+    """Mixtral: each token's top-2 experts (index selection, a grouped matmul torch has no forward
+    rule for) and the auxiliary load-balancing loss from the router logits. float32: transformers'
+    grouped matmul takes no float64."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, pad_token_id=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
+    )
+    config._attn_implementation = "eager"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.MixtralForCausalLM(config).eval()
+    twin = copy.deepcopy(model)
+
+    def loss(m, batch):
+        out = m(**batch)
+        assert out.aux_loss is not None  # the router loss is part of the loss differentiated
+        return out.loss
+
+    tolerances = dict(rtol=1e-4, atol=1e-6)
+    prepared = ad.prepare(ad.value_and_gradient, loss, Active(model), Constant(token_batch(0)))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    for step in range(3):
+        batch = token_batch(step)
+        intact = untouched(Active(model), Constant(batch))
+        value, got = prepared(model, batch)
+        assert intact()
+        names, params = zip(*trainable(twin))
+        want_value = loss(twin, batch)
+        want = dict(zip(names, torch.autograd.grad(want_value, params)))
+        torch.testing.assert_close(value, want_value.detach(), **tolerances)
+        assert_close_dicts(got, want, **tolerances)
+        for (name, p), (_, q) in zip(trainable(model), trainable(twin)):
+            p.grad, q.grad = got[name].clone(), want[name].clone()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    tangent = {n: randn(*p.shape, seed=4).float() for n, p in trainable(model)}
+    first = torch.autograd.grad(loss(twin, batch), params, create_graph=True)
+    want_hvp = dict(zip(names, torch.autograd.grad(first, params, [tangent[n] for n in names])))
+    assert_close_dicts(ad.hvp(loss, Active(model), Constant(batch), tangent=tangent), want_hvp, rtol=1e-3, atol=1e-5)
+
+
+def test_pruned_and_fake_quantized_modules():
+    """Pruning: the weight is an attribute a forward pre-hook recomputes (weight_orig * mask).
+    Quantization-aware training: observers update their statistics in forward (on the view's
+    copies: the user's stay), and fake quantization passes the gradient straight through."""
+    import torch.ao.quantization as quantization
+    from torch.nn.utils import prune
+
+    def pruned() -> nn.Module:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 5, dtype=torch.float64), nn.Tanh(), nn.Linear(5, 2, dtype=torch.float64))
+        prune.l1_unstructured(model[0], "weight", amount=0.5)
+        return model  # (a pruned module cannot be deep-copied: its weight is not a leaf)
+
+    model, x = pruned(), randn(3, 4, seed=1)
+    intact = untouched(Active(model), Constant(x))
+    assert_close_dicts(ad.gradient(squared, Active(model), Constant(x)), raw_gradient(squared, pruned(), x))
+    assert intact() and model[0].weight.grad_fn is not None  # the user's attribute, not one from f's tape
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+            self.fc1, self.relu, self.fc2 = nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.dequant(self.fc2(self.relu(self.fc1(self.quant(x)))))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notes
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            net = Net().train()
+        net.qconfig = quantization.get_default_qat_qconfig("fbgemm")
+        qat = quantization.prepare_qat(net)
+    qat(x.float())  # the observers have seen data
+    for batch in (randn(8, 4, seed=2).float(), randn(8, 4, seed=3).float()):
+        intact = untouched(Active(qat), Constant(batch))
+        want = raw_gradient(squared, copy.deepcopy(qat), batch)
+        assert_close_dicts(ad.gradient(squared, Active(qat), Constant(batch)), want, rtol=1e-5, atol=1e-6)
+        assert intact()
