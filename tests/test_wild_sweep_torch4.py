@@ -138,6 +138,35 @@ def test_parametrize_cached_inside_f_and_second_order():
     assert intact()
 
 
+@pytest.mark.parametrize("rnn_type", [nn.LSTM, nn.GRU])
+def test_an_rnn_with_orthogonal_hidden_weights(rnn_type):
+    """The view rebuilt an RNN's weight list from its parameter slots, where a parametrized
+    weight is not (it is computed on access): the list held None there, and torch's kernel
+    failed with "expected Tensor as element 1 in argument 2, but got NoneType"."""
+
+    def orthogonal_rnn() -> nn.Module:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            rnn = rnn_type(3, 4, num_layers=2, batch_first=True, dtype=torch.float64)
+            return nn.utils.parametrizations.orthogonal(rnn, "weight_hh_l0")
+
+    def loss(m, x):
+        out, _ = m(x)
+        return out.pow(2).sum()
+
+    model, xs = orthogonal_rnn(), (randn(2, 5, 3, seed=1), randn(2, 5, 3, seed=2))
+    intact = untouched(Active(model), Constant(xs[0]))
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(xs[0]))
+    for x in xs:
+        want = raw_gradient(loss, orthogonal_rnn(), x)
+        assert_close_dicts(ad.gradient(loss, Active(model), Constant(x)), want)
+        assert_close_dicts(prepared(model, x), want)
+    inputs = xs[0].clone().requires_grad_()
+    want_input = torch.autograd.grad(loss(orthogonal_rnn(), inputs), inputs)[0]
+    torch.testing.assert_close(ad.gradient(lambda x, m: loss(m, x), Active(xs[0]), Constant(model)), want_input)
+    assert intact()
+
+
 # ---------------------------------------------------------------- parameters held outside the slots
 
 

@@ -39,6 +39,14 @@ from .._tree import captured_values
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
 _SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
+_RNN_WEIGHTS = frozenset(("_flat_weights", "_flat_weight_refs"))  # an RNN's lists of (references to) its weights
+
+
+class _Dropped:
+    pass
+
+
+_GONE = weakref.ref(_Dropped())  # a weak reference whose object is already gone
 
 
 def _optimized_module_type() -> type | None:
@@ -254,6 +262,8 @@ def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str
     for key, value in m.__dict__.items():
         if key in _SLOTS or "hook" in key or isinstance(value, (bool, int, float, str, type(None), torch_nn.Parameter)):
             continue  # hooks are called with the view itself
+        if key in _RNN_WEIGHTS:
+            continue  # a view rebuilds them (`_views`)
         if key == "_compiled_call_impl" and value is not None:
             keys.append(key)
         elif _refers_to_tree(value, tree, f"{names_of.get(id(m), type(m).__name__)}.{key}", depth=0):
@@ -509,9 +519,16 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
         state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
         state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
         if step.rnn:
-            state["_flat_weights"] = flat = [parameters.get(w, state.get(w)) for w in state["_flat_weights_names"]]
+            names = state["_flat_weights_names"]
+            state["_flat_weights"] = flat = [parameters.get(w, state.get(w)) for w in names]
             if "_flat_weight_refs" in state:  # what the RNN's forward compares its weights with (else it rebuilds them)
-                state["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in flat]
+                state["_flat_weight_refs"] = [
+                    weakref.ref(w) if w is not None
+                    # a parametrized weight (computed on access): "changed", so the forward computes it from the view
+                    else _GONE if isinstance(getattr(type(original), name, None), property)
+                    else None
+                    for name, w in zip(names, flat)
+                ]
         new = object.__new__(type(original))
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
         views.append(new)
