@@ -486,8 +486,9 @@ class ReusedView:
     (`lease_view`) copies each original submodule's ``__dict__`` again (flags such as
     ``training``, attributes), puts the view's own slots back, overwrites its buffer copies
     with the originals (f may update them in place) and redirects methods again; its release
-    (`release_view`) empties the view down to its own slots, so that an idle view refers to
-    nothing of the user's module but the parameters' storage. Only for descriptions
+    (`release_view`) empties the copied modules' ``__dict__`` (their own slots are kept aside),
+    so that an idle view refers to nothing of the user's module but the parameters' storage.
+    Only for descriptions
     `still_describes` has just checked.
     """
 
@@ -499,7 +500,7 @@ class ReusedView:
         # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
         self.held = [convert(t) for t in plan.sources]
         self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t)
-        self.copy_kept = _copier([self.held[i] for i in self.kept], [plan.sources[i] for i in self.kept])
+        self.copy_kept = _copier([self.held[i] for i in self.kept], [plan.sources[i] for i in self.kept]) if self.kept else None
         # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
         self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
         copies: list[Any] = []
@@ -531,7 +532,8 @@ class ReusedView:
             state.update(own)
         # Every call: f may have changed a copy (BatchNorm statistics), and kernels that update
         # them do not all move the version counter, so nothing tells whether it did.
-        self.copy_kept()
+        if self.copy_kept is not None:
+            self.copy_kept()
         held = self.held
         for slots, key, index in self.refills:
             slots[key] = held[index]  # f may have assigned another tensor to the slot
@@ -539,13 +541,13 @@ class ReusedView:
             _redirect_all(self.plan, self.views)
 
     def empty(self) -> bool:
-        """Reduce an idle view to its own slots; False (nothing changed) where it cannot serve
-        again: f kept a module or buffer of it, or its buffer copies cannot be overwritten."""
+        """Empty an idle view's copied modules (`refresh` fills them again, own slots last); False
+        (nothing changed) where it cannot serve again: f kept a module or buffer of it, or its
+        buffer copies cannot be overwritten."""
         if not self.reusable or self._references() != self.references:
             return False
-        for _, state, own in self.copies:
+        for _, state, _ in self.copies:
             state.clear()
-            state.update(own)
         return True
 
 
