@@ -293,6 +293,29 @@ def test_a_function_attribute_closing_over_a_parameter_is_refused_and_over_a_buf
     assert_close_dicts(ad.gradient(squared, Active(over_buffer), Constant(x)), want)
 
 
+def test_a_complex_parameter_of_a_module_follows_torch_and_the_finite_differences_refuse_it():
+    """A learned spectral filter (torch.fft). AutoTorch gives torch's own gradient; the finite
+    differences, which step real values only, failed inside f with "mat1 and mat2 must have the
+    same dtype, but got Double and ComplexDouble"."""
+
+    class SpectralFilter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mix = nn.Linear(4, 4, dtype=torch.float64)
+            self.filter = nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
+
+        def forward(self, x):
+            return torch.fft.irfft2(torch.fft.rfft2(self.mix(x)) * self.filter, s=x.shape[-2:])
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = SpectralFilter()
+    x = randn(2, 4, 4, seed=1)
+    assert_close_dicts(ad.gradient(squared, Active(model), Constant(x)), raw_gradient(squared, copy.deepcopy(model), x))
+    with pytest.raises(ad.UnsupportedError, match="cannot differentiate a complex parameter"):
+        ad.gradient(squared, Active(model), Constant(x), backend=FD)
+
+
 # ---------------------------------------------------------------- new kinds of input that work (representative)
 
 VOCAB = 64

@@ -21,7 +21,7 @@ import attrs
 import numpy as np
 
 from .. import _arrays as arrays
-from .._errors import caller_stacklevel
+from .._errors import UnsupportedError, caller_stacklevel
 from ._base import Backend, Flat, FlatFunction
 
 
@@ -207,6 +207,12 @@ class AutoFiniteDifferences(Backend):
         return _float64_jax(jax, enable_x64)
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
+        if any(arrays.dtype_kind(x) == "c" for x in xs):  # (the problem refuses complex leaves; a module's slip through)
+            raise UnsupportedError(
+                "activity: AutoFiniteDifferences cannot differentiate a complex parameter of an Active torch "
+                "module: it steps real values only (complex differentiation is not supported). Freeze it "
+                "(requires_grad_(False)), or hold it as two real parameters, its real and imaginary parts."
+            )
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
 
     def finalize(self, result: Any, problem: Any) -> Any:
