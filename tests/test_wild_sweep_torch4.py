@@ -257,6 +257,51 @@ def test_a_parameter_held_in_a_plain_container_is_differentiated_there_too(how):
     assert intact()
 
 
+class Gain:
+    """A forward hook object that scales a submodule's output by a parameter of the model."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module, args, out):
+        return out * self.model.gain
+
+
+def gained(how: str) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 2, dtype=torch.float64))
+    model.register_parameter("gain", nn.Parameter(torch.tensor(1.5, dtype=torch.float64)))
+    if how == "object":
+        model[2].register_forward_hook(Gain(model))
+    elif how == "partial":
+        model[2].register_forward_hook(functools.partial(Gain.__call__, Gain(model)))
+    else:
+        gain = model.gain
+        model[2].register_forward_hook(lambda module, args, out: out * gain)
+    return model
+
+
+@pytest.mark.parametrize("how", ["object", "partial"])
+def test_a_users_hook_that_holds_the_model_runs_on_the_view(how):
+    """Hooks are called with the view, but one that holds the model itself (a callable object,
+    a partial) read the user's parameter: its gradient came back exactly 0."""
+    model, x = gained(how), randn(3, 4, seed=1)
+    twin = gained(how)  # (a deep copy would keep the hook's reference to the original)
+    names, params = zip(*trainable(twin))
+    want = dict(zip(names, torch.autograd.grad(squared(twin, x), params)))
+    intact = untouched(Active(model), Constant(x))
+    prepared = ad.prepare(ad.gradient, squared, Active(model), Constant(x))
+    for got in (ad.gradient(squared, Active(model), Constant(x)), prepared(model, x), prepared(model, x)):
+        assert_close_dicts(got, want)
+    assert intact()
+
+
+def test_a_users_hook_closing_over_a_parameter_is_refused_by_name():
+    with pytest.raises(ad.UnsupportedError, match=r"2\._forward_hooks is a function that reaches a module or a parameter"):
+        ad.gradient(squared, Active(gained("closure")), Constant(randn(3, 4, seed=1)))
+
+
 class Tuple2(tuple):
     pass
 

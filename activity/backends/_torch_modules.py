@@ -6,17 +6,19 @@ parameter, buffer and submodule slots. So the user's module, its buffers
 (BatchNorm statistics), flags and ``.grad`` never change, and a parameter
 shared by two arguments is differentiated only where it is Active.
 
-The view must behave like the module *as it is called*, so three things in a
-module's ``__dict__`` are redirected to the view: bound methods and
+The view must behave like the module *as it is called*, so what a module's
+``__dict__`` holds of the tree is redirected to the view: bound methods and
 ``functools.partial`` objects that refer to a module of the tree (an instance
-level ``forward``, accelerate's hooks), plain containers (lists, tuples,
-namedtuples, sets, dicts, dataclasses, namespaces, weak references) of its
-submodules, parameters and buffers (``self.extra = [self.lin.weight]``: the
-view's tensor, the tape leaf of a differentiated one), and compilation
+level ``forward``, accelerate's hooks); plain containers (lists, tuples,
+namedtuples, sets, dicts, dataclasses, namespaces, callable objects, weak
+references) of its submodules, parameters and buffers
+(``self.extra = [self.lin.weight]``: the view's tensor, the tape leaf of a
+differentiated one); the user's hooks that hold the model (a callable object,
+a partial: the view gets its own copy of that hook dict); and compilation
 (``torch.compile(m)``'s wrapper and ``m.compile()``), which is bypassed: the
-view runs the module's own eager code, the same computation. A function that
-captures the module, or one of its trainable parameters, in a closure cannot
-be redirected and is refused before ``f`` runs.
+view runs the module's own eager code, the same computation. A function
+(an attribute or a hook) that captures the module, or one of its trainable
+parameters, in a closure cannot be redirected and is refused before ``f`` runs.
 """
 
 from __future__ import annotations
@@ -283,8 +285,10 @@ def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str
     torch_nn = sys.modules["torch"].nn
     keys = []
     for key, value in m.__dict__.items():
-        if key in _SLOTS or "hook" in key or isinstance(value, (bool, int, float, str, type(None), torch_nn.Parameter)):
-            continue  # hooks are called with the view itself
+        if key in _SLOTS or isinstance(value, (bool, int, float, str, type(None), torch_nn.Parameter)):
+            continue
+        if "hook" in key and not value:
+            continue  # (hooks are called with the view itself; those that hold the tree otherwise are redirected)
         if key in _RNN_WEIGHTS:
             continue  # a view rebuilds them (`_views`)
         if key == "_compiled_call_impl" and value is not None:
@@ -380,10 +384,13 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
 
 
 def _is_record(value: Any) -> bool:
-    """A dataclass instance or a ``types.SimpleNamespace``: attributes a view can rebuild in a copy."""
+    """A dataclass instance, a ``types.SimpleNamespace`` or a callable object (a hook such as
+    ``Scaler(model)`` with a ``__call__``): attributes a view can rebuild in a copy."""
     if isinstance(value, types.SimpleNamespace):
         return True
-    return dataclasses.is_dataclass(value) and not isinstance(value, type) and hasattr(value, "__dict__")
+    if isinstance(value, (type, types.FunctionType)) or not hasattr(value, "__dict__"):
+        return False
+    return dataclasses.is_dataclass(value) or callable(value)
 
 
 def _contents(value: Any) -> Any:
