@@ -706,27 +706,24 @@ class Problem:
                 from .backends._torch_parametrize import parametrize_module
 
                 parametrize = self._parametrize = parametrize_module()
+            run = self._call
             if parametrize._cache_enabled:  # a `parametrize.cached()` block is open: f gets a cache of its own
-                from .backends._torch_parametrize import call_with_own_cache
+                from .backends._torch_parametrize import apart_from_the_cache
 
-                return call_with_own_cache(parametrize, self._call_on_modules, f, values)
-            return self._call_on_modules(f, values)
+                run = apart_from_the_cache(parametrize, run)
+            if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
+                watch = sys.modules["activity.backends._torch_modules"]
+                self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
+                self._watched = True
+                return watch.watched_call(described, run, f, values, self.op_name, self.label, True)
+            handles = self._hook_handles
+            first = handles.next_id  # counts every hook torch registers
+            try:
+                return run(f, values)
+            finally:
+                if handles.next_id != first:
+                    sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
         return self._call(f, values)
-
-    def _call_on_modules(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
-        described = self._described
-        if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
-            watch = sys.modules["activity.backends._torch_modules"]
-            self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
-            self._watched = True
-            return watch.watched_call(described, self._call, f, values, self.op_name, self.label, True)
-        handles = self._hook_handles
-        first = handles.next_id  # counts every hook torch registers
-        try:
-            return self._call(f, values)
-        finally:
-            if handles.next_id != first:
-                sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
 
     def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         try:

@@ -27,23 +27,27 @@ def parametrize_module() -> Any:
     return parametrize
 
 
-def call_with_own_cache(parametrize: Any, call: Callable[..., _Result], *args: Any) -> _Result:
-    """``call(*args)`` with an empty parametrization cache of its own, the user's restored after.
+def apart_from_the_cache(parametrize: Any, call: Callable[..., _Result]) -> Callable[..., _Result]:
+    """``call``, run with an empty parametrization cache of its own, the user's restored after.
 
     >>> import torch
     >>> parametrize = parametrize_module()
     >>> with parametrize.cached():
     ...     users = parametrize._cache
-    ...     result = call_with_own_cache(parametrize, lambda: parametrize._cache is users)
+    ...     result = apart_from_the_cache(parametrize, lambda: parametrize._cache is users)()
     ...     parametrize._cache is users
     True
     >>> result
     False
     """
-    with _SWAP:
-        users = parametrize._cache
-        parametrize._cache = {}
-        try:
-            return call(*args)
-        finally:
-            parametrize._cache = users
+
+    def run(*args: Any) -> _Result:
+        with _SWAP:
+            users = parametrize._cache
+            parametrize._cache = {}
+            try:
+                return call(*args)
+            finally:
+                parametrize._cache = users
+
+    return run
