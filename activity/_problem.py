@@ -457,9 +457,7 @@ class Problem:
                 meta = ("module", type(leaf).__name__, described.layout)
             elif (
                 kind == "active"
-                and dkind == "f"
-                and index < trainable
-                and not (in_tree and is_python_number(leaf))
+                and _differentiable(leaf, index, trainable, in_tree)
                 and (selection is None or selection[index])
             ):
                 role = DIFF
@@ -595,17 +593,20 @@ class Problem:
         for position, (kind, value) in enumerate(zip(kinds, values)):
             selection = self.selection_of(position, value, wheres[position]) if kind == "active" else None
             leaves, spec = self._adapted_leaves(position, value, True) if position in self.adapted else flatten(value)
+            trainable = self.adapted[position][2] if leaves is not None and position in self.adapted else None
             if leaves is None:  # not the prepared model's graph: a structure of its own
                 leaves, spec = flatten(value)
+            trainable = len(leaves) if trainable is None else trainable
+            in_tree = not spec.is_leaf()
             metas = []
             for index, leaf in enumerate(leaves):
                 if arrays.is_torch_module(leaf):
                     metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
                 elif (
                     kind == "active"
-                    and arrays.dtype_kind(leaf) == "f"
+                    and _differentiable(leaf, index, trainable, in_tree)
                     and (selection is None or (index < len(selection) and selection[index]))
-                ):  # as split sees it (converted)
+                ):  # as split sees it (converted); a Python number in a pytree stays a static value
                     metas.append(self.backend.array_meta(self.backend.as_array(leaf)))
                 else:
                     metas.append(self.backend.array_meta(leaf))
@@ -969,6 +970,15 @@ def _difference(expected: Any, tree: Any) -> str:
     if len(repr(expected)) + len(repr(got)) <= 200:
         return f"expected {expected}, got {got} ({difference})"
     return difference
+
+
+def _differentiable(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:
+    """Whether an Active argument's leaf is differentiated (unless its ``where=`` leaves it out):
+    floating, in the part a model library calls parameters (the first ``trainable`` leaves), and
+    not a Python number inside a pytree (a static hyper-parameter, see `_conventions`). The
+    signature a prepared call is checked against and the one it is looked up by both use it,
+    so a changed hyper-parameter is a new signature, never the prepared value reused."""
+    return arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf))
 
 
 def _same_meta(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> bool:

@@ -1,0 +1,118 @@
+"""AutoJAX on third-party JAX models and inputs the other model tests do not cover (round 4):
+Python hyper-parameters inside an Active model across prepared calls (lenient and strict),
+and the new kinds of input the sweep found working (Flax NNX transformer pieces, Linen
+``TrainState``, Equinox state and ensembles, Haiku state, plain JAX control flow).
+
+Every expected value comes from the model library's own differentiation (``nnx.grad``,
+``eqx.filter_grad``, ``jax.grad`` / ``jax.jvp``), never from ``activity``.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import activity as ad
+from activity import Active, Constant
+
+CLOSE = dict(rtol=2e-5, atol=2e-6)
+
+
+def normal(seed: int, *shape: int) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def assert_trees(actual, expected, **tolerance):
+    """Same structure (``None`` positions and container types included), then leaf by leaf."""
+    tolerance = tolerance or CLOSE
+    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected), (
+        f"{jax.tree_util.tree_structure(actual)}\n!=\n{jax.tree_util.tree_structure(expected)}"
+    )
+    compared = 0
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), err_msg=jax.tree_util.keystr(path), **tolerance)
+        compared += 1
+    assert compared, "no leaf compared"
+
+
+# ------------------------------------------- Python hyper-parameters inside an Active model
+
+
+class Scaled(eqx.Module):
+    weight: jax.Array
+    scale: float  # a Python float field: static, as eqx.filter_grad and eqx.filter_jit treat it
+
+    def __call__(self, x):
+        return self.scale * jnp.sum(jnp.tanh(x @ self.weight))
+
+
+def scaled_loss(model, x):
+    return model(x) ** 2
+
+
+def test_a_lenient_prepared_call_sees_a_changed_python_hyper_parameter_of_an_active_model():
+    """It reused the value prepared with (a wrong gradient, silently): the signature a lenient
+    call looks its plan up by counted the float as a differentiated array, so 2.0 and 3.0 looked alike."""
+    x = normal(0, 4, 3)
+    model = Scaled(0.1 * normal(1, 3, 2), 2.0)
+    prepared = ad.prepare(ad.gradient, scaled_loss, Active(model), Constant(x), strict=False)
+    for scale in (2.0, 3.0, 5.0, 2.0):
+        changed = Scaled(model.weight, scale)
+        assert_trees(prepared(changed, x), eqx.filter_grad(scaled_loss)(changed, x))
+
+    tree = {"weight": jnp.ones(3), "scale": 2.0}  # the same in a plain dict
+
+    def dict_loss(tree):
+        return tree["scale"] * jnp.sum(tree["weight"] ** 2)
+
+    prepared = ad.prepare(ad.gradient, dict_loss, Active(tree), strict=False)
+    for scale in (2.0, 3.0):
+        changed = {"weight": tree["weight"], "scale": scale}
+        expected = {"weight": jax.grad(dict_loss)(changed)["weight"], "scale": None}
+        assert_trees(prepared(changed), expected)
+
+
+def test_a_lenient_prepared_call_with_the_prepared_values_reuses_the_prepared_plan():
+    """A model with a Python float (``eqx.nn.Dropout.p``) was prepared a second time on its first call."""
+    traced = []
+
+    class Net(eqx.Module):
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+    def loss(model, x):
+        traced.append(None)
+        return jnp.sum(model.dropout(jax.vmap(model.linear)(x), inference=True) ** 2)
+
+    model = Net(eqx.nn.Linear(3, 2, key=jax.random.key(2)), eqx.nn.Dropout(0.5))
+    x = normal(3, 4, 3)
+    expected = eqx.filter_grad(loss)(model, x)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x), strict=False)
+    count = len(traced)
+    for _ in range(3):
+        assert_trees(prepared(model, x), expected)
+    assert len(traced) == count, "f traced again for the values it was prepared with"
+
+
+def test_a_strict_prepared_call_names_the_hyper_parameter_that_changed():
+    """``eqx.nn.inference_mode`` flips ``Dropout.inference``; the message named ``.dropout.p`` (unchanged)
+    and called it a float32 array."""
+
+    class Net(eqx.Module):
+        linear: eqx.nn.Linear
+        dropout: eqx.nn.Dropout
+
+    def loss(model, x, key):
+        return jnp.sum(model.dropout(jax.vmap(model.linear)(x), key=key) ** 2)
+
+    model = Net(eqx.nn.Linear(3, 2, key=jax.random.key(4)), eqx.nn.Dropout(0.5))
+    x, key = normal(5, 4, 3), jax.random.key(6)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x), Constant(key))
+    with pytest.raises(ad.PreparationMismatchError, match=r"at \.dropout\.inference: expected the value False, got the value True"):
+        prepared(eqx.nn.inference_mode(model), x, key)
+    with pytest.raises(ad.PreparationMismatchError, match=r"at \.scale: expected the value 2\.0, got the value 3\.0"):
+        scaled = Scaled(normal(7, 3, 2), 2.0)
+        ad.prepare(ad.gradient, scaled_loss, Active(scaled), Constant(x))(Scaled(scaled.weight, 3.0), x)
