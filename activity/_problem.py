@@ -375,7 +375,7 @@ class Problem:
         predicate = is_predicate(where)
         candidate = [
             arrays.is_torch_module(leaf)
-            or (arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf)))
+            or _differentiable(leaf, index, trainable, in_tree)
             for index, leaf in enumerate(leaves)
         ]
         paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
@@ -648,7 +648,10 @@ class Problem:
                             f"{self.label(position)} at {path}: the {meta_e[1]} module differs from the prepared "
                             f"one: {module_difference(meta_e[2], meta_a[2], module)}."
                         )
-                    return f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
+                    return (
+                        f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
+                        f"{_static_number_hint(meta_e, meta_a)}"
+                    )
         return None
 
     def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list[Any] | None, Any]:
@@ -970,6 +973,18 @@ def _difference(expected: Any, tree: Any) -> str:
     if len(repr(expected)) + len(repr(got)) <= 200:
         return f"expected {expected}, got {got} ({difference})"
     return difference
+
+
+def _static_number_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str:
+    """For a Python number that changed between prepared calls (a step counter such as
+    ``TrainState.step``): how to pass one that changes without preparing again."""
+    numbers = [meta[1] for meta in (expected, actual) if meta[0] == "static" and is_python_number(meta[1])]
+    if len(numbers) < 2 or any(isinstance(number, bool) for number in numbers):
+        return ""
+    return (
+        " A Python number is compiled in as a static value; make it an array (jnp.asarray, "
+        "torch.tensor) to pass a new one without preparing again."
+    )
 
 
 def _differentiable(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:

@@ -116,3 +116,68 @@ def test_a_strict_prepared_call_names_the_hyper_parameter_that_changed():
     with pytest.raises(ad.PreparationMismatchError, match=r"at \.scale: expected the value 2\.0, got the value 3\.0"):
         scaled = Scaled(normal(7, 3, 2), 2.0)
         ad.prepare(ad.gradient, scaled_loss, Active(scaled), Constant(x))(Scaled(scaled.weight, 3.0), x)
+
+
+def test_a_train_state_step_counter_named_with_the_way_to_let_it_change():
+    """``TrainState.create`` starts ``step`` as the Python int 0 and ``apply_gradients`` outside
+    ``jax.jit`` makes it 1: a static value, so a strict prepared call refuses it, naming it and
+    saying how to pass a counter that changes; a lenient one and one with an array step agree
+    with ``jax.grad`` on the params."""
+    import optax
+    from flax import linen
+    from flax.training import train_state
+
+    layer = linen.Dense(3)
+    x = normal(8, 4, 2)
+    state = train_state.TrainState.create(apply_fn=layer.apply, params=layer.init(jax.random.key(9), x), tx=optax.sgd(0.1))
+
+    def loss(state, x):
+        return jnp.sum(jnp.tanh(state.apply_fn(state.params, x)) ** 2)
+
+    def expected(state):
+        return jax.grad(lambda params: loss(state.replace(params=params), x))(state.params)
+
+    result = ad.gradient(loss, Active(state, where=lambda path, leaf: path.startswith(".params")), Constant(x))
+    assert result.step is None and jax.tree_util.tree_leaves(result.opt_state) == []
+    assert_trees(result.params, expected(state))
+    stepped = state.apply_gradients(grads=result.params)
+    strict = ad.prepare(ad.gradient, loss, Active(state), Constant(x))
+    with pytest.raises(ad.PreparationMismatchError, match=r"at \.step: expected the value 0, got the value 1\. .*jnp\.asarray"):
+        strict(stepped, x)
+    lenient = ad.prepare(ad.gradient, loss, Active(state), Constant(x), strict=False)
+    assert_trees(lenient(stepped, x).params, expected(stepped))
+    counted = state.replace(step=jnp.asarray(0))
+    prepared = ad.prepare(ad.gradient, loss, Active(counted), Constant(x))
+    stepped = counted.apply_gradients(grads=prepared(counted, x).params)
+    assert_trees(prepared(stepped, x).params, expected(stepped))
+
+
+# --------------------------------------------------------------- activity.testing.check
+
+
+def test_check_leaves_an_nnx_module_rng_count_and_batch_statistics_as_they_were():
+    """check ran f once on the user's own module to see its output: the dropout RNG count
+    advanced and train-mode BatchNorm statistics moved."""
+    from flax import nnx
+
+    from activity.testing import check
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+            self.norm = nnx.BatchNorm(2, rngs=rngs)
+            self.dropout = nnx.Dropout(0.3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.norm(self.linear(x)))
+
+    model = Net(nnx.Rngs(0, dropout=1))
+    model.train()
+    _, before = nnx.split(model)
+    before = [np.array(jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf) for leaf in jax.tree_util.tree_leaves(before)]
+    check(lambda model, x: model(x), Active(model), Constant(normal(10, 4, 3)), operators=["pushforward", "pullback"], directions=1)
+    _, after = nnx.split(model)
+    after = [np.array(jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf) for leaf in jax.tree_util.tree_leaves(after)]
+    assert len(after) == len(before)
+    for now, then in zip(after, before):
+        np.testing.assert_array_equal(now, then)
