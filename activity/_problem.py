@@ -632,10 +632,13 @@ class Problem:
             if expected[3] != actual[3]:
                 return f"{self.label(position)}: {_mask_change(expected[3], actual[3])}"
             if position in self.adapted and self._adapted_leaves(position, value, True)[0] is None:
-                adapter = self.adapted[position][0]
+                adapter, prepared_static = self.adapted[position][:2]
+                tell = getattr(adapter, "difference", None) if adapter_for(value) is adapter else None
+                difference = tell(prepared_static, value) if tell is not None else None
                 return (
                     f"{self.label(position)}: prepared for another model: {adapter.describe(value)} whose graph "
-                    f"(submodules, attributes, variable types) differs from the prepared one."
+                    f"(submodules, attributes, variable types) differs from the prepared one"
+                    f"{': ' + difference if difference else ''}."
                 )
             if expected[1] != actual[1]:
                 return f"{self.label(position)}: pytree structure changed: {_difference(expected[1], value)}."

@@ -181,3 +181,36 @@ def test_check_leaves_an_nnx_module_rng_count_and_batch_statistics_as_they_were(
     assert len(after) == len(before)
     for now, then in zip(after, before):
         np.testing.assert_array_equal(now, then)
+
+
+# ------------------------------------------------------------------- Flax NNX, prepared
+
+
+def test_a_strict_prepared_call_names_the_nnx_attribute_that_changed():
+    """``model.eval()`` flips static attributes of the graph; the refusal said only that the
+    graph differs, which reads as if another model had been passed."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.linear = nnx.Linear(3, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    def loss(model, x):
+        return jnp.sum(jnp.tanh(model(x)) ** 2)
+
+    model, x = Net(nnx.Rngs(0, dropout=1)), normal(11, 4, 3)
+    model.train()
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    model.eval()
+    with pytest.raises(ad.PreparationMismatchError, match=r"its attribute dropout\.deterministic is True, prepared with False"):
+        prepared(model, x)
+    model.dropout.rate = 0.25
+    with pytest.raises(ad.PreparationMismatchError, match=r"dropout\.(deterministic|rate) is (True|0\.25), prepared with (False|0\.5)"):
+        prepared(model, x)
+    lenient = ad.prepare(ad.gradient, loss, Active(model), Constant(x), strict=False)
+    model.train()  # a fresh dropout mask for this count: compared with nnx.grad on a copy
+    assert_trees(lenient(model, x), nnx.grad(loss)(nnx.clone(model), x))
