@@ -214,3 +214,27 @@ def test_a_strict_prepared_call_names_the_nnx_attribute_that_changed():
     lenient = ad.prepare(ad.gradient, loss, Active(model), Constant(x), strict=False)
     model.train()  # a fresh dropout mask for this count: compared with nnx.grad on a copy
     assert_trees(lenient(model, x), nnx.grad(loss)(nnx.clone(model), x))
+
+
+# ---------------------------------------------------------------- Equinox masks
+
+
+def test_an_equinox_filter_spec_is_a_where_mask_and_a_one_argument_filter_is_refused_naming_the_fix():
+    """``where=eqx.is_inexact_array`` (the ``eqx.filter_grad`` habit) failed inside the first
+    call with Python's bare "takes 1 positional argument but 2 were given"."""
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(12))
+    x = normal(13, 4, 3)
+
+    def loss(model, x):
+        return jnp.sum(jax.vmap(model)(x) ** 2)
+
+    spec = jax.tree_util.tree_map(lambda _: False, mlp)
+    spec = eqx.tree_at(lambda m: (m.layers[-1].weight, m.layers[-1].bias), spec, replace=(True, True))
+    trained, frozen = eqx.partition(mlp, spec)
+    expected = jax.grad(lambda trained: loss(eqx.combine(trained, frozen), x))(trained)
+    assert_trees(ad.gradient(loss, Active(mlp, where=spec), Constant(x)), expected)
+    with pytest.raises(TypeError, match=r"where=is_inexact_array\).*where=lambda path, leaf: is_inexact_array\(leaf\)"):
+        Active(mlp, where=eqx.is_inexact_array)
+    with pytest.raises(TypeError, match=r"where=<lambda>\).*where\(path, leaf\)"):
+        Active(mlp, where=lambda leaf: True)
+    assert_trees(ad.gradient(loss, Active(mlp, where=lambda path, leaf: eqx.is_inexact_array(leaf)), Constant(x)), eqx.filter_grad(loss)(mlp, x))
