@@ -238,3 +238,124 @@ def test_an_equinox_filter_spec_is_a_where_mask_and_a_one_argument_filter_is_ref
     with pytest.raises(TypeError, match=r"where=<lambda>\).*where\(path, leaf\)"):
         Active(mlp, where=lambda leaf: True)
     assert_trees(ad.gradient(loss, Active(mlp, where=lambda path, leaf: eqx.is_inexact_array(leaf)), Constant(x)), eqx.filter_grad(loss)(mlp, x))
+
+
+# ------------------------------------------- new kinds of input the sweep found right
+
+
+def nnx_state_arrays(module):
+    """Every array of an NNX module's state, keys as their raw data."""
+    from flax import nnx
+
+    leaves = jax.tree_util.tree_leaves(nnx.split(module)[1])
+    return [np.array(jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf) for leaf in leaves]
+
+
+def assert_same_arrays(now, then):
+    assert len(now) == len(then)
+    for a, b in zip(now, then):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_nnx_transformer_block_with_a_decode_cache_lora_and_dropout_in_an_nnx_jit_train_step():
+    import optax
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.attention = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8, decode=True, rngs=rngs)
+            self.layer_norm, self.rms_norm = nnx.LayerNorm(8, rngs=rngs), nnx.RMSNorm(8, rngs=rngs)
+            self.dropout = nnx.Dropout(0.2, rngs=rngs)
+            self.mlp = nnx.Sequential(nnx.Linear(8, 16, rngs=rngs), nnx.gelu, nnx.Linear(16, 8, rngs=rngs))
+            self.head = nnx.LoRALinear(8, 8, lora_rank=2, rngs=rngs)
+
+        def __call__(self, x):  # two decode steps: the cache variables change inside f
+            total = 0.0
+            for t in range(2):
+                step = x[:, t : t + 1]
+                h = step + self.dropout(self.attention(self.layer_norm(step)))
+                total = total + jnp.sum(self.head(h + self.mlp(self.rms_norm(h))) ** 2)
+            return total
+
+    def loss(model, x):
+        return model(x)
+
+    model = Block(nnx.Rngs(params=0, dropout=1))
+    model.attention.init_cache((2, 2, 8))
+    x, before = normal(14, 2, 2, 8), nnx_state_arrays(model)
+    assert_trees(ad.gradient(loss, Active(model), Constant(x)), nnx.grad(loss)(nnx.clone(model), x))
+    assert_same_arrays(nnx_state_arrays(model), before)  # cache index, cached keys, dropout count
+
+    twin = nnx.clone(model)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    twin_optimizer = nnx.Optimizer(twin, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        optimizer.update(model, ad.gradient(loss, Active(model), Constant(x)))
+
+    @nnx.jit
+    def twin_step(model, optimizer, x):
+        optimizer.update(model, nnx.grad(loss)(nnx.clone(model), x))
+
+    step(model, optimizer, x)
+    twin_step(twin, twin_optimizer, x)
+    assert_trees(nnx.state(model, nnx.Param), nnx.state(twin, nnx.Param), rtol=1e-5, atol=1e-6)
+
+
+def test_an_equinox_state_index_counter_as_constant_leaves_the_users_state_usable():
+    class Accumulator(eqx.Module):
+        index: eqx.nn.StateIndex
+        linear: eqx.nn.Linear
+
+        def __init__(self, key):
+            self.index, self.linear = eqx.nn.StateIndex(jnp.zeros(3)), eqx.nn.Linear(3, 3, key=key)
+
+        def __call__(self, x, state):
+            seen = state.get(self.index)
+            return self.linear(x + seen), state.set(self.index, seen + x)
+
+    model, state = eqx.nn.make_with_state(Accumulator)(jax.random.key(15))
+    x = normal(16, 3)
+
+    def loss(model, x, state):
+        out, state = model(x, state)
+        return jnp.sum(out**2), state
+
+    grads, new_state = ad.gradient(loss, Active(model), Constant(x), Constant(state), has_aux=True)
+    np.testing.assert_allclose(np.asarray(state.get(model.index)), 0.0)  # still usable: not consumed by the call
+    clone = jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(state)))
+    expected, expected_state = eqx.filter_grad(loss, has_aux=True)(model, x, clone)
+    assert_trees(grads, expected)
+    assert_trees(new_state.get(model.index), expected_state.get(model.index))
+
+
+def test_plain_jax_control_flow_and_a_typed_key_in_an_active_pytree_against_raw_jax_and_finite_differences():
+    @jax.custom_jvp
+    def softplus(x):
+        return jnp.log1p(jnp.exp(x))
+
+    softplus.defjvp(lambda primals, tangents: (softplus(primals[0]), jax.nn.sigmoid(primals[0]) * tangents[0]))
+
+    def loss(tree, x):
+        h = jax.checkpoint(lambda w: jnp.sin(w * x))(tree["w"])
+        h = jax.lax.cond(jnp.sum(h) > 0, lambda h: 2 * h, lambda h: h - 1, h)
+        h = jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h + tree["w"]), h)
+        noise = jax.random.normal(tree["key"], h.shape, dtype=jnp.float32)  # the same draw in float64 mode
+        return jnp.sum(softplus(h) ** 2 + noise * h) * tree["count"]
+
+    tree = {"w": jnp.linspace(-1.0, 1.0, 4), "key": jax.random.key(17), "count": jnp.array(2)}
+    x = normal(18, 4)
+
+    def expected(tree):
+        return {"w": jax.grad(lambda w: loss(dict(tree, w=w), x))(tree["w"]), "key": None, "count": None}
+
+    assert_trees(ad.gradient(loss, Active(tree), Constant(x)), expected(tree))
+    prepared = ad.prepare(ad.gradient, loss, Active(tree), Constant(x))
+    moved = dict(tree, key=jax.random.key(19), count=jnp.array(3))
+    assert_trees(prepared(moved, x), expected(moved))
+    tangent = {"w": jnp.ones(4), "key": None, "count": None}
+    raw_hvp = jax.jvp(lambda w: expected(dict(tree, w=w))["w"], (tree["w"],), (tangent["w"],))[1]
+    assert_trees(ad.hvp(loss, Active(tree), Constant(x), tangent=tangent)["w"], raw_hvp, rtol=1e-4, atol=1e-5)
+    reference = ad.gradient(loss, Active(tree), Constant(x), backend=ad.AutoFiniteDifferences())
+    assert_trees(reference, expected(tree), rtol=2e-3, atol=2e-4)
