@@ -432,3 +432,49 @@ def test_prepared_equinox_module_refuses_another_activation_or_width():
         prepared(wider, x)
     with pytest.raises(ad.PreparationMismatchError, match="argument 1"):
         prepared(model, jnp.ones((4, 5)))
+
+
+def _freeze_bias(model):
+    model[0].bias.requires_grad_(False)
+
+
+def _narrow_bias_to_a_view(model):
+    model[0].bias.data = model[0].bias.data[:2]  # the same storage and data pointer, a smaller shape
+
+
+def _make_bias_float64(model):
+    model[0].bias.data = model[0].bias.data.double()
+
+
+def _replace_bias_storage_with_a_longer_one(model):
+    model[0].bias.data = torch.zeros(6)
+
+
+@pytest.mark.parametrize("change", [_freeze_bias, _narrow_bias_to_a_view, _make_bias_float64, _replace_bias_storage_with_a_longer_one])
+def test_a_prepared_call_sees_a_parameter_changed_in_place_between_calls(change):
+    # The parameter object stays the same; only its requires_grad, shape or dtype changes: the
+    # prepared call must not take its prepared path (a mismatch says what differs).
+    model, x = mlp(), data(5, 4)
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    assert_dicts_close(prepared(model, x), raw_gradient(model, x))
+    change(model)
+    if change is _freeze_bias:
+        got = ad.prepare(ad.gradient, mse, Active(model), Constant(x), strict=False)(model, x)
+        assert "0.bias" not in got
+        assert_dicts_close(got, raw_gradient(model, x))
+    with pytest.raises(ad.PreparationMismatchError, match=r"0\.bias"):
+        prepared(model, x)
+
+
+def test_a_prepared_call_under_autocast_stays_right_and_prepared():
+    # torch.compile's tensor guard (which still_describes asks first) also compares dispatch state:
+    # under autocast it says no, and the parameters' metadata, unchanged, decides.
+    model, x = mlp(), data(5, 4)
+    prepared = ad.prepare(ad.gradient, mse, Active(model), Constant(x))
+    description = prepared._plan.problem._described[(0, 0)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert description.still_describes(model)
+        got = prepared(model, x)
+        want = raw_gradient(model, x)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)

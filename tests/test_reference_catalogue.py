@@ -20,6 +20,7 @@ from activity import Active
 from activity.backends._finite_differences import (
     ReferenceKinkWarning,
     ReferenceNondeterminismWarning,
+    ReferenceQuantizedWarning,
     ReferenceUnreliableWarning,
 )
 from activity.testing import check
@@ -131,6 +132,51 @@ def test_smooth_points_are_not_reported_as_kinks(name: str, f: Callable[..., Any
     jacobian, unreliable = reference_jacobian(f, x)
     assert not unreliable, name
     torch.testing.assert_close(jacobian.reshape(expected.shape), expected, rtol=1e-7, atol=1e-9)
+
+
+# -- staircases: f rounding coarser than its dtype -----------------------------------------
+
+
+_STAIRCASES = {
+    "round to 3 decimals": lambda x: torch.round(x, decimals=3),
+    "round to 4 decimals": lambda x: torch.round(x, decimals=4),
+    "floor to 1e-4": lambda x: torch.floor(x * 1e4) / 1e4,
+}
+
+
+@pytest.mark.parametrize("f", _STAIRCASES.values(), ids=_STAIRCASES.keys())
+def test_a_staircase_is_reported_where_the_steps_see_its_average_slope(f: Callable[..., Any]) -> None:
+    # Its derivative is 0 between the jumps (what torch gives); at the steps above its quanta the
+    # differences see the staircase's slope (about 1): silently wrong before. (Quanta as coarse
+    # as the steps, floor(100 x), give differences of 0: right, and not reported.)
+    x = f64(0.3217, -1.4562, 0.7771)
+    jacobian, unreliable = reference_jacobian(f, x)
+    assert jacobian.abs().max() > 0.1  # what made it wrong: the reference sees a slope
+    assert unreliable & {ReferenceQuantizedWarning, ReferenceKinkWarning}  # a floor's jumps can also look like kinks
+    report = check(lambda x: f(x).sum(), Active(x), backends=ad.AutoTorch())
+    assert report.unreliable and not report.failed
+
+
+def test_a_staircase_is_named_as_such() -> None:
+    _, unreliable = reference_jacobian(lambda x: torch.round(x, decimals=3), f64(0.3217, -1.4562))
+    assert unreliable == {ReferenceQuantizedWarning}
+    report = check(lambda x: torch.round(x, decimals=3).sum(), Active(f64(0.3217, -1.4562)), backends=ad.AutoTorch())
+    assert "piecewise constant" in report.unreliable[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "f", "x", "expected"),
+    [
+        ("a staircase times x", lambda x: torch.round(x * 64) / 64 * x, f64(0.3217), torch.round(f64(0.3217) * 64) / 64),
+        ("large inputs", lambda x: x * 3.0, f64(1e7, -3e9), torch.diag(f64(3.0, 3.0))),
+        ("saturated tanh", torch.tanh, f64(20.0), (1 - torch.tanh(f64(20.0)) ** 2)[None]),
+        ("float32 inside f", lambda x: torch.sin(x.float()).double(), f64(0.4), torch.cos(f64(0.4))[None]),
+    ],
+)
+def test_functions_that_move_are_not_reported_as_staircases(name: str, f: Callable[..., Any], x: torch.Tensor, expected: torch.Tensor) -> None:
+    jacobian, unreliable = reference_jacobian(f, x)
+    assert ReferenceQuantizedWarning not in unreliable, name
+    torch.testing.assert_close(jacobian.reshape(expected.shape), expected, rtol=1e-4, atol=1e-9)
 
 
 def test_check_at_a_relu_kink_says_reference_unreliable_instead_of_failing_autotorch() -> None:

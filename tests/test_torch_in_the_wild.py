@@ -1129,3 +1129,19 @@ def test_a_prepared_pushforward_refuses_an_in_place_write_of_f_on_a_later_call_t
     torch.testing.assert_close(prepared(x, c, tangent=t), c)  # d(x * c) along t = c
     with pytest.raises(RuntimeError, match=r"in place \(the Active argument 0.*now holds the changed values"):
         prepared(x, c, tangent=t)
+
+
+def test_a_pushforward_too_large_to_copy_still_refuses_an_in_place_write(monkeypatch):
+    # Above the copy budget (say, a large model's parameters) the first call is not run on
+    # copies: the write goes through, and is refused loudly, naming what happened.
+    from activity.backends import _torch
+
+    monkeypatch.setattr(_torch, "_MOST_COPIED_BYTES", 8)
+    x = torch.ones(3)
+
+    def f(x):
+        x.mul_(2.0)
+        return x
+
+    with pytest.raises(RuntimeError, match=r"in place \(the Active argument 0.*now holds the changed values"):
+        ad.pushforward(f, Active(x), tangent=torch.ones(3))

@@ -117,6 +117,18 @@ class ReferenceKinkWarning(ReferenceUnreliableWarning):
     )
 
 
+class ReferenceQuantizedWarning(ReferenceUnreliableWarning):
+    """``f`` did not move at all over a step at which its estimated slope says it must: it is
+    piecewise constant at a scale above its precision (it rounds, floors or buckets)."""
+
+    reason = (
+        "f is piecewise constant at a scale coarser than its precision (it rounds, floors or "
+        "buckets its input or an intermediate, such as round(x, decimals=3)), so its derivative is "
+        "zero almost everywhere while the finite differences measure the slope of the staircase; "
+        "differentiate f without the rounding, or pass reference=<an AD backend>"
+    )
+
+
 @attrs.frozen
 class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
@@ -274,6 +286,8 @@ class AutoFiniteDifferences(Backend):
         # Half the jump between the one-sided slopes at each step of the current start (for
         # `_kinked`): it shrinks with the step where f is smooth, and stays where f has a kink.
         bends: list[tuple[float, Flat]] = []
+        # Each step and where f gave bitwise the same value on both sides (see `_quantized`).
+        flats: list[tuple[float, Flat]] = []
 
         def central(h: float) -> Flat:
             # A trial step may leave f's domain (nan, or f raising, as binary_cross_entropy does
@@ -286,6 +300,7 @@ class AutoFiniteDifferences(Backend):
                 raised.append(error)
                 return tuple(arrays.zeros_like(_to_float64(y)) * math.nan for y in ys)
             plus, minus = tuple(_to_float64(p) for p in plus), tuple(_to_float64(m) for m in minus)
+            flats.append((h, tuple(p == m for p, m in zip(plus, minus))))
             with np.errstate(all="ignore"):  # inf - inf where an output is infinite: nan, as it should
                 bends.append((h, tuple((p - 2 * y + m) / (2 * h) for p, y, m in zip(plus, ys64, minus))))
                 return tuple((p - m) / (2 * h) for p, m in zip(plus, minus))
@@ -319,6 +334,14 @@ class AutoFiniteDifferences(Backend):
                 known = len(bends)
                 central(confirm)
                 kinked = len(bends) > known and _kinked(best_bends[-1], bends[-1], best, resolution)  # type: ignore[arg-type]
+        # A staircase (f rounding coarser than its dtype) looks smooth at the steps above its
+        # quanta, where the extrapolation converges: one step far below them, still well above
+        # the outputs' and inputs' precision, finds f standing still (two evaluations).
+        slope = _max_abs(best)  # type: ignore[arg-type]
+        if not kinked and slope > 0 and flats:
+            probe = max(smallest, 5e4 * resolution / slope, 1e-8 * max(1.0, _max_abs(xs)))
+            if probe < min(h for h, _ in flats):
+                central(probe)
         if kinked:
             warnings.warn(
                 f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f is not "
@@ -328,6 +351,17 @@ class AutoFiniteDifferences(Backend):
                 f"own convention (or f's values are noisy at the steps' scale). Move the point off the kink, or "
                 f"compare against an AD backend instead.",
                 ReferenceKinkWarning,
+                stacklevel=caller_stacklevel(),
+            )
+        elif _quantized(flats, best, resolution):  # type: ignore[arg-type]
+            warnings.warn(
+                f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f gave "
+                f"exactly the same value on both sides of the point at a step over which its estimated slope "
+                f"says it must change: f is piecewise constant at that scale (it rounds, floors or buckets, "
+                f"as round(x, decimals=3) does), its derivative is zero almost everywhere, and the finite "
+                f"differences measure the slope of the staircase instead. Differentiate f without the "
+                f"rounding, or compare against an AD backend instead.",
+                ReferenceQuantizedWarning,
                 stacklevel=caller_stacklevel(),
             )
         return ys, aux, tuple(e * scale for e in best)  # type: ignore[union-attr]
@@ -605,6 +639,22 @@ def _varies(F: FlatFunction, xs: Flat, ys: Flat) -> bool:
     return known
 
 
+def _quantized(flats: list[tuple[float, Flat]], estimate: Flat, resolution: float) -> bool:
+    """Whether at some step h f gave bitwise the same value at x + h and x - h where the estimated
+    slope says it changes there by far more than its precision (``|slope| 2h > 100 resolution``)
+    and more than the testing kit's tolerances could miss. A smooth f with that slope moves over
+    such a step; a staircase (rounding coarser than the dtype) stands still between its jumps."""
+    for h, same_sides in flats:
+        for same, value in zip(same_sides, estimate):
+            if arrays.dtype_kind(value) != "f" or not arrays.size(value):
+                continue
+            with np.errstate(all="ignore"):
+                moves = abs(value) * 2 * h > 100 * resolution + 2 * h * (5e-6 + 5e-5 * abs(value))
+                if bool((same & moves).any()):
+                    return True
+    return False
+
+
 def _kinked(wider: tuple[float, Flat], narrower: tuple[float, Flat], estimate: Flat, resolution: float) -> bool:
     """Whether f's slopes on either side of the point differ as much at the narrower step as at
     the wider: each is a step h and half the jump between those slopes there,
@@ -657,6 +707,7 @@ __all__ = [
     "ReferenceKinkWarning",
     "ReferenceNondeterminismWarning",
     "ReferencePrecisionWarning",
+    "ReferenceQuantizedWarning",
     "ReferenceRandomnessWarning",
     "ReferenceUnreliableWarning",
 ]

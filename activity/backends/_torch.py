@@ -328,10 +328,13 @@ class AutoTorch(Backend):
                 raise _disconnected(error.op_name) from None
         # Forward mode hands f views of the Active tensors, so an in-place write of f's would go
         # through to the user's tensors (reverse mode refuses it on its leaves). A problem's first
-        # call runs on copies and refuses such a write with the user's tensors untouched; later
-        # calls are watched by the version counters the views share with the tensors.
+        # call runs on copies (where they are small enough to double) and refuses such a write
+        # with the user's tensors untouched; later calls are watched by the version counters the
+        # views share with the tensors.
         problem: Any = getattr(F, "problem", None)
         first = problem is not None and not problem.forward_writes_checked
+        if first and sum(x.numel() * x.element_size() for x in xs) > _MOST_COPIED_BYTES:
+            first, problem.forward_writes_checked = False, True
         given = tuple(map(_fresh_copy, xs)) if first else xs
         versions = tuple(map(_VERSION, given))
         result = self._jvp_on_the_tape(F, given, ts, batched)
@@ -622,6 +625,7 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
 
 
 _VERSION = operator.attrgetter("_version")
+_MOST_COPIED_BYTES = 1 << 28  # a forward-mode first call copies Active tensors up to 256 MiB in all
 
 
 def _fresh_copy(x: Any) -> Any:
