@@ -29,7 +29,10 @@ def is_predicate(where: Any) -> bool:
 
 
 def _check_where(instance: Any, attribute: Any, where: Any) -> None:
-    if where is None or is_predicate(where):
+    if where is None:
+        return
+    if is_predicate(where):
+        _check_two_arguments(where)
         return
     from ._tree import flatten, leaf_paths
 
@@ -46,6 +49,25 @@ def _check_where(instance: Any, attribute: Any, where: Any) -> None:
             "Active(..., where=...) got a mask with no bool in it, so it selects nothing. Mark the "
             "argument Constant(...) if nothing in it is differentiated."
         )
+
+
+def _check_two_arguments(where: Any) -> None:
+    """A one-argument filter (``eqx.is_inexact_array``, ``lambda leaf: ...``) is refused here,
+    naming the fix, rather than by a bare TypeError from deep inside the first call."""
+    import inspect
+
+    try:
+        inspect.signature(where).bind("['path']", None)
+    except TypeError:
+        name = getattr(where, "__name__", type(where).__name__)
+        fix = "where=lambda path, leaf: <your test of leaf>" if name == "<lambda>" else f"where=lambda path, leaf: {name}(leaf)"
+        raise TypeError(
+            f"Active(..., where={name}): a callable where= is called as where(path, leaf) (path a string "
+            f"such as \"['w']\"), and this one does not take those two arguments. For a test of the leaf "
+            f"alone, take the path too: {fix}."
+        ) from None
+    except ValueError:  # no signature to read (some builtins): its first call says what is wrong
+        return
 
 
 @attrs.frozen(repr=False)

@@ -58,6 +58,28 @@ class NNXModule:
     def describe(self, module: Any) -> str:
         return f"a Flax NNX {type(module).__name__}"
 
+    def difference(self, graphdef: Any, module: Any) -> str | None:
+        """The first static attribute where ``module`` differs from the module ``graphdef`` was
+        split from (``Dropout.deterministic`` after ``model.eval()``), or None where that is not
+        told so simply (a submodule or a variable added or removed)."""
+        nnx = sys.modules["flax.nnx"]
+        try:
+            prepared = dict(nnx.iter_graph(nnx.merge(graphdef, *self.split(module)[1:])))
+            for path, now in nnx.iter_graph(module):
+                name = str(path[-1]) if path else ""
+                if name.startswith("_pytree") or isinstance(now, (nnx.Pytree, nnx.Variable)) or hasattr(now, "dtype"):
+                    continue
+                then = prepared.get(path, _MISSING)
+                if then is _MISSING or type(then) is not type(now) or bool(then != now):
+                    where = ".".join(str(part) for part in path)
+                    return f"its attribute {where} is {now!r:.60}, prepared with {then!r:.60}"
+        except Exception:  # noqa: BLE001 - a graph merge cannot rebuild, or == that is no bool: no detail
+            return None
+        return None
+
+
+_MISSING = object()
+
 
 def _is_nnx_module(node: Any) -> bool:
     return isinstance(node, sys.modules["flax.nnx"].Module)

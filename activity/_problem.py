@@ -376,7 +376,7 @@ class Problem:
         predicate = is_predicate(where)
         candidate = [
             arrays.is_torch_module(leaf)
-            or (arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf)))
+            or _differentiable(leaf, index, trainable, in_tree)
             for index, leaf in enumerate(leaves)
         ]
         paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
@@ -458,9 +458,7 @@ class Problem:
                 meta = ("module", type(leaf).__name__, described.layout)
             elif (
                 kind == "active"
-                and dkind == "f"
-                and index < trainable
-                and not (in_tree and is_python_number(leaf))
+                and _differentiable(leaf, index, trainable, in_tree)
                 and (selection is None or selection[index])
             ):
                 role = DIFF
@@ -596,17 +594,20 @@ class Problem:
         for position, (kind, value) in enumerate(zip(kinds, values)):
             selection = self.selection_of(position, value, wheres[position]) if kind == "active" else None
             leaves, spec = self._adapted_leaves(position, value, True) if position in self.adapted else flatten(value)
+            trainable = self.adapted[position][2] if leaves is not None and position in self.adapted else None
             if leaves is None:  # not the prepared model's graph: a structure of its own
                 leaves, spec = flatten(value)
+            trainable = len(leaves) if trainable is None else trainable
+            in_tree = not spec.is_leaf()
             metas = []
             for index, leaf in enumerate(leaves):
                 if arrays.is_torch_module(leaf):
                     metas.append(("module", type(leaf).__name__, self.backend.describe_module(leaf).layout))
                 elif (
                     kind == "active"
-                    and arrays.dtype_kind(leaf) == "f"
+                    and _differentiable(leaf, index, trainable, in_tree)
                     and (selection is None or (index < len(selection) and selection[index]))
-                ):  # as split sees it (converted)
+                ):  # as split sees it (converted); a Python number in a pytree stays a static value
                     metas.append(self.backend.array_meta(self.backend.as_array(leaf)))
                 else:
                     metas.append(self.backend.array_meta(leaf))
@@ -632,10 +633,13 @@ class Problem:
             if expected[3] != actual[3]:
                 return f"{self.label(position)}: {_mask_change(expected[3], actual[3])}"
             if position in self.adapted and self._adapted_leaves(position, value, True)[0] is None:
-                adapter = self.adapted[position][0]
+                adapter, prepared_static = self.adapted[position][:2]
+                tell = getattr(adapter, "difference", None) if adapter_for(value) is adapter else None
+                difference = tell(prepared_static, value) if tell is not None else None
                 return (
                     f"{self.label(position)}: prepared for another model: {adapter.describe(value)} whose graph "
-                    f"(submodules, attributes, variable types) differs from the prepared one."
+                    f"(submodules, attributes, variable types) differs from the prepared one"
+                    f"{': ' + difference if difference else ''}."
                 )
             if expected[1] != actual[1]:
                 return f"{self.label(position)}: pytree structure changed: {_difference(expected[1], value)}."
@@ -648,7 +652,10 @@ class Problem:
                             f"{self.label(position)} at {path}: the {meta_e[1]} module differs from the prepared "
                             f"one: {module_difference(meta_e[2], meta_a[2], module)}."
                         )
-                    return f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
+                    return (
+                        f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
+                        f"{_static_number_hint(meta_e, meta_a)}"
+                    )
         return None
 
     def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list[Any] | None, Any]:
@@ -982,6 +989,27 @@ def _difference(expected: Any, tree: Any) -> str:
     if len(repr(expected)) + len(repr(got)) <= 200:
         return f"expected {expected}, got {got} ({difference})"
     return difference
+
+
+def _static_number_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str:
+    """For a Python number that changed between prepared calls (a step counter such as
+    ``TrainState.step``): how to pass one that changes without preparing again."""
+    numbers = [meta[1] for meta in (expected, actual) if meta[0] == "static" and is_python_number(meta[1])]
+    if len(numbers) < 2 or any(isinstance(number, bool) for number in numbers):
+        return ""
+    return (
+        " A Python number is compiled in as a static value; make it an array (jnp.asarray, "
+        "torch.tensor) to pass a new one without preparing again."
+    )
+
+
+def _differentiable(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:
+    """Whether an Active argument's leaf is differentiated (unless its ``where=`` leaves it out):
+    floating, in the part a model library calls parameters (the first ``trainable`` leaves), and
+    not a Python number inside a pytree (a static hyper-parameter, see `_conventions`). The
+    signature a prepared call is checked against and the one it is looked up by both use it,
+    so a changed hyper-parameter is a new signature, never the prepared value reused."""
+    return arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf))
 
 
 def _same_meta(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> bool:

@@ -88,7 +88,7 @@ def check(
     reference = AutoFiniteDifferences() if reference is None else reference
     import activity as ad
 
-    output = _call(f, values)
+    output = _output(f, args, backends[0])
     scalar = arrays.is_array(output) and arrays.shape(output) == ()
     applicable = ["pushforward", "pullback", "jacobian"] + (["gradient", "hvp", "hessian", "gradient_and_hvp"] if scalar else [])
     chosen = [op for op in applicable if operators is None or op in operators]
@@ -199,8 +199,25 @@ def _finite(tree: Any) -> bool:
     )
 
 
-def _call(f: Callable[..., Any], values: tuple[Any, ...]) -> Any:
-    return f(*values)
+def _output(f: Callable[..., Any], args: tuple[Annotation[Any], ...], backend: Any) -> Any:
+    """``f``'s output at ``args``, evaluated as the operators evaluate ``f``: on the copies they
+    give it of what it may change (an NNX module's RNG counts and BatchNorm statistics, torch
+    buffers, the global RNGs), never on the user's values. ``f`` rides along as the aux of a
+    zero scalar, so any backend's gradient computes it."""
+    import activity as ad
+
+    def zero_with_output(*values: Any) -> tuple[Any, Any]:
+        output = f(*values)
+        floating = [leaf for leaf in flatten(output)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f"]
+        if not floating:
+            raise TypeError(
+                f"check: f returns {describe_type(output)} with no floating array; "
+                f"check differentiates functions with floating array outputs."
+            )
+        return floating[0].sum() * 0, output
+
+    _, output = ad.gradient(zero_with_output, *args, has_aux=True, backend=backend)
+    return output
 
 
 def _like(tree: Any, rng: np.random.Generator, ones: bool = False) -> Any:
