@@ -349,27 +349,9 @@ class AutoFiniteDifferences(Backend):
             if probe < min(h for h, _ in flats):
                 central(probe)
         if kinked:
-            warnings.warn(
-                f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f is not "
-                f"differentiable at this point, or has a kink closer to it than the smallest step tried (a ReLU "
-                f"or abs at 0, tied maxima, a clip at its bound): its slopes on either side "
-                f"differ, so the finite differences give their average, where an AD backend picks a side by its "
-                f"own convention (or f's values are noisy at the steps' scale). Move the point off the kink, or "
-                f"compare against an AD backend instead.",
-                ReferenceKinkWarning,
-                stacklevel=caller_stacklevel(),
-            )
+            _warn_unreliable(F, ReferenceKinkWarning)
         elif _quantized(flats, best, resolution):  # type: ignore[arg-type]
-            warnings.warn(
-                f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): f gave "
-                f"exactly the same value on both sides of the point at a step over which its estimated slope "
-                f"says it must change: f is piecewise constant at that scale (it rounds, floors or buckets, "
-                f"as round(x, decimals=3) does), its derivative is zero almost everywhere, and the finite "
-                f"differences measure the slope of the staircase instead. Differentiate f without the "
-                f"rounding, or compare against an AD backend instead.",
-                ReferenceQuantizedWarning,
-                stacklevel=caller_stacklevel(),
-            )
+            _warn_unreliable(F, ReferenceQuantizedWarning)
         return ys, aux, tuple(e * scale for e in best)  # type: ignore[union-attr]
 
     def _loop_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
@@ -540,35 +522,23 @@ def _warn_if_unreliable(F: FlatFunction, ys: Flat, xs: Flat) -> list[str]:
     low: list[str] | None = getattr(F, "low_precision", None)
     if low is None:
         low = _low_precision(ys)
-    op_name = getattr(F, "op_name", None)
     if low:
-        warnings.warn(
-            f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f returned {', '.join(low)} "
-            f"values although its inputs were float64, so the finite differences carry that precision's "
-            f"rounding error (a .float() call, a float32 parameter or constant inside f?). Keep f in float64, "
-            f"or compare against an AD backend instead.",
-            ReferencePrecisionWarning,
-            stacklevel=caller_stacklevel(),
-        )
+        _warn_unreliable(F, ReferencePrecisionWarning, f"f returned {', '.join(low)} values although its inputs were float64: ")
     if getattr(F, "widened_draws", False):
-        warnings.warn(
-            f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f draws random numbers at "
-            f"JAX's default dtype, which the reference's float64 mode makes float64, so they differ from the "
-            f"draws f makes outside it (a dropout mask, say): the reference differentiates another function. "
-            f"Draw with an explicit dtype, or compare against an AD backend instead.",
-            ReferenceRandomnessWarning,
-            stacklevel=caller_stacklevel(),
-        )
+        _warn_unreliable(F, ReferenceRandomnessWarning)
     elif _varies(F, xs, ys):
-        warnings.warn(
-            f"activity.{op_name or 'finite differences'} (AutoFiniteDifferences): f returned different values "
-            f"for the same inputs (random numbers from a generator of its own, a clock, a nondeterministic "
-            f"kernel?), so the finite differences measure that noise. Make f deterministic (seed the "
-            f"generator inside f), or compare against an AD backend instead.",
-            ReferenceNondeterminismWarning,
-            stacklevel=caller_stacklevel(),
-        )
+        _warn_unreliable(F, ReferenceNondeterminismWarning)
     return low
+
+
+def _warn_unreliable(F: FlatFunction, category: type[ReferenceUnreliableWarning], found: str = "") -> None:
+    """Warn that the reference cannot be trusted for ``F``, in the words the testing kit reports
+    (``category.reason``), after what was ``found``."""
+    warnings.warn(
+        f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): {found}{category.reason}.",
+        category,
+        stacklevel=caller_stacklevel(),
+    )
 
 
 def _resolution(ys: Flat, low: list[str]) -> float:
