@@ -310,8 +310,7 @@ def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
     if isinstance(value, types.MethodType):
         return id(value.__self__) in tree.members or _refers_to_tree(value.__func__, tree, where, depth + 1)
     if isinstance(value, functools.partial):
-        parts = (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values())
-        return any([_refers_to_tree(part, tree, where, depth + 1) for part in parts])
+        return any([_refers_to_tree(part, tree, where, depth + 1) for part in _partial_parts(value)])
     contents = _contents(value)
     if contents is not None:
         known = tree.checked.get(id(value)) if depth == 0 else None  # (deeper, the depth limit cuts differently)
@@ -381,6 +380,11 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
             rebuilt.__dict__.update((k, _redirect(v, views)) for k, v in vars(value).items())
         return rebuilt
     return value
+
+
+def _partial_parts(value: functools.partial[Any]) -> tuple[Any, ...]:
+    """What a ``functools.partial`` holds: its function, arguments, keywords and attributes."""
+    return (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values())
 
 
 def _is_record(value: Any) -> bool:
@@ -506,7 +510,7 @@ def _tensor_ids(value: Any, found: set[int], depth: int) -> None:
     elif isinstance(value, types.MethodType):
         _tensor_ids(value.__func__, found, depth + 1)
     elif isinstance(value, functools.partial):
-        for part in (value.func, *value.args, *value.keywords.values(), *getattr(value, "__dict__", {}).values()):
+        for part in _partial_parts(value):
             _tensor_ids(part, found, depth + 1)
     else:
         for item in _contents(value) or ():
@@ -610,8 +614,7 @@ class ReusedView:
     with the originals (f may update them in place) and redirects methods again; its release
     (`release_view`) empties the copied modules' ``__dict__`` (their own slots are kept aside),
     so that an idle view refers to nothing of the user's module but the parameters' storage.
-    Only for descriptions
-    `still_describes` has just checked.
+    Only for descriptions `still_describes` has just checked.
     """
 
     def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any]) -> None:
@@ -697,7 +700,7 @@ def forget_hooks_since(descriptions: Any, first: int) -> None:
                         del hooks[key]
 
 
-_VERSION = operator.attrgetter("_version")
+VERSION = operator.attrgetter("_version")  # a tensor's version counter (in-place writes move it)
 
 
 def tensor_versions(descriptions: Any) -> list[int]:
@@ -707,7 +710,7 @@ def tensor_versions(descriptions: Any) -> list[int]:
     versions: list[int] = []
     for description in descriptions:
         if not description.has_inference:  # inference tensors have no counter; a view clones them
-            versions.extend(map(_VERSION, description.tensors))
+            versions.extend(map(VERSION, description.tensors))
     return versions
 
 
@@ -805,6 +808,7 @@ __all__ = [
     "forget_hooks_since",
     "lease_view",
     "release_view",
+    "VERSION",
     "tensor_versions",
     "warn_changed_tensors",
 ]
