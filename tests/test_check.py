@@ -120,3 +120,11 @@ def test_a_reference_that_is_not_finite_at_a_domain_edge_is_undecided_not_a_fail
     assert not report.failed and report.unreliable and "not finite" in report.unreliable[0]
     report = check(lambda x: torch.sqrt(x).sum(), Active(torch.tensor([0.5, 1.0, 4.0], dtype=torch.float64)), operators=["gradient"])
     assert report.passed and not report.unreliable and not report.failed
+
+
+def test_an_output_part_that_does_not_depend_on_the_active_argument_is_checked_with_the_rest():
+    # A layer returning (a constant mask, its activation): check() evaluates f's output through
+    # the backend; a first output cut from the Active argument must not read as f being cut.
+    x = torch.randn(3, dtype=torch.float64, generator=generator(1))
+    report = check(lambda x: (torch.ones(2, dtype=torch.float64), torch.tanh(x)), Active(x), backends=ad.AutoTorch())
+    assert report.passed and not report.failed

@@ -214,7 +214,8 @@ def _output(f: Callable[..., Any], args: tuple[Annotation[Any], ...], backend: A
                 f"check: f returns {describe_type(output)} with no floating array; "
                 f"check differentiates functions with floating array outputs."
             )
-        return floating[0].sum() * 0, output
+        # every floating output in the zero, so that it depends on the Active arguments if f does
+        return sum(leaf.sum() for leaf in floating) * 0, output
 
     _, output = ad.gradient(zero_with_output, *args, has_aux=True, backend=backend)
     return output
