@@ -18,24 +18,7 @@ import pytest
 import activity as ad
 from activity import Active, Constant
 
-CLOSE = dict(rtol=2e-5, atol=2e-6)
-
-
-def normal(seed: int, *shape: int) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), shape)
-
-
-def assert_trees(actual, expected, **tolerance):
-    """Same structure (``None`` positions and container types included), then leaf by leaf."""
-    tolerance = tolerance or CLOSE
-    assert jax.tree_util.tree_structure(actual) == jax.tree_util.tree_structure(expected), (
-        f"{jax.tree_util.tree_structure(actual)}\n!=\n{jax.tree_util.tree_structure(expected)}"
-    )
-    compared = 0
-    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree_util.tree_leaves(expected)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), err_msg=jax.tree_util.keystr(path), **tolerance)
-        compared += 1
-    assert compared, "no leaf compared"
+from _sweeps import assert_trees, normal
 
 
 # ------------------------------------------- Python hyper-parameters inside an Active model

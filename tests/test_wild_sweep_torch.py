@@ -21,19 +21,9 @@ from activity import Active, Constant
 from activity.backends._finite_differences import ReferencePrecisionWarning
 from activity.testing._intact import Snapshot
 
+from _sweeps import generator, randn, trainable
+
 FD = ad.AutoFiniteDifferences()
-
-
-def generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=generator(seed), dtype=torch.float64)
-
-
-def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def raw_gradient(loss, model, *args):
