@@ -9,6 +9,7 @@ that the call left the model exactly as it was.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Callable, NamedTuple
 
 import pytest
@@ -443,3 +444,22 @@ def test_a_prepared_gradient_follows_a_training_loop(name):
         if step == 1:
             first = trainable(model)[0][1]
             first.data = first.data * 1.5  # new storage, as some training code does
+
+
+def test_gpt2_prepared_pushforward_of_logits_matches_torch_func_jvp_on_its_first_and_later_calls(gpt2):
+    # The first forward-mode call of a problem runs on copies of the parameters (tied embedding
+    # included), later ones on views of them: both are torch.func.jvp's answer, and nothing warns.
+    ids = token_ids(70)
+    names, params = zip(*trainable(gpt2))
+    g = generator(71)
+    tangent = {n: torch.randn(p.shape, generator=g) for n, p in zip(names, params)}
+    twin = copy.deepcopy(gpt2)
+    primals = {n: p.detach() for n, p in twin.named_parameters()}
+    want = torch.func.jvp(lambda ps: torch.func.functional_call(twin, ps, (), {"input_ids": ids}).logits, (primals,), (tangent,))[1]
+    before = snapshot(gpt2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        prepared = ad.prepare(ad.pushforward, lambda m, i: m(input_ids=i).logits, Active(gpt2), Constant(ids), tangent=tangent)
+        for _ in range(2):
+            torch.testing.assert_close(prepared(gpt2, ids, tangent=tangent), want, rtol=1e-4, atol=1e-5)
+    assert_unchanged(gpt2, before)

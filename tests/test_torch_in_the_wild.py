@@ -1112,9 +1112,29 @@ def test_the_hessian_of_mse_loss_of_a_scalar_falls_back_where_forward_over_rever
     torch.testing.assert_close(ad.prepare(ad.hessian, f, Active(x))(x), torch.tensor(2.0, dtype=torch.float64))
 
 
-def test_a_prepared_pushforward_refuses_an_in_place_write_of_f_on_a_later_call_too():
-    # The first call runs on copies; a write f makes only later (a data-dependent branch) goes
-    # through the dual views to the user's tensor, and is refused loudly rather than silently.
+def test_a_pushforward_through_an_embedding_with_max_norm_behaves_as_reverse_mode():
+    # nn.Embedding(max_norm=...) renormalizes the rows it looks up in place, under no_grad: a
+    # write outside the tape, which reverse mode lets through with a warning. Forward mode: the
+    # first call runs on copies (the user's table untouched), a later call's write reaches the
+    # user's table; both are warned of. The tangent is torch.func.jvp's on a copy of the module.
+    torch.manual_seed(0)
+    table = nn.Embedding(6, 3, max_norm=0.5)
+    idx = torch.tensor([0, 2, 2])
+    tangent = {"weight": torch.ones(6, 3)}
+    twin = copy.deepcopy(table)
+    want = torch.func.jvp(lambda w: torch.func.functional_call(twin, {"weight": w}, (idx,)), (twin.weight.detach(),), (tangent["weight"],))[1]
+    prepared = ad.prepare(ad.pushforward, lambda m, i: m(i), Active(table), Constant(idx), tangent=tangent)
+    before = table.weight.detach().clone()
+    with pytest.warns(RuntimeWarning, match=r"f wrote the Active argument 0 .*yours are unchanged"):
+        torch.testing.assert_close(prepared(table, idx, tangent=tangent), want)
+    torch.testing.assert_close(table.weight.detach(), before, rtol=0, atol=0)
+    with pytest.warns(RuntimeWarning, match=r"f wrote the Active argument 0 .*yours was changed"):
+        torch.testing.assert_close(prepared(table, idx, tangent=tangent), want)
+
+
+def test_a_prepared_pushforward_warns_of_an_in_place_write_of_f_on_a_later_call():
+    # A write f makes only after the first call (a data-dependent branch) goes through the dual
+    # views to the user's tensor, and is said so rather than silently.
     calls = []
 
     def f(x, c):
@@ -1127,13 +1147,14 @@ def test_a_prepared_pushforward_refuses_an_in_place_write_of_f_on_a_later_call_t
     prepared = ad.prepare(ad.pushforward, f, Active(x), Constant(c), tangent=t)
     calls.clear()
     torch.testing.assert_close(prepared(x, c, tangent=t), c)  # d(x * c) along t = c
-    with pytest.raises(RuntimeError, match=r"in place \(the Active argument 0.*now holds the changed values"):
+    with pytest.warns(RuntimeWarning, match=r"f wrote the Active argument 0 .* yours was changed"):
         prepared(x, c, tangent=t)
+    torch.testing.assert_close(x, torch.full((3,), 2.0))
 
 
-def test_a_pushforward_too_large_to_copy_still_refuses_an_in_place_write(monkeypatch):
+def test_a_pushforward_too_large_to_copy_warns_of_an_in_place_write(monkeypatch):
     # Above the copy budget (say, a large model's parameters) the first call is not run on
-    # copies: the write goes through, and is refused loudly, naming what happened.
+    # copies: the write goes through, and is said so.
     from activity.backends import _torch
 
     monkeypatch.setattr(_torch, "_MOST_COPIED_BYTES", 8)
@@ -1141,7 +1162,48 @@ def test_a_pushforward_too_large_to_copy_still_refuses_an_in_place_write(monkeyp
 
     def f(x):
         x.mul_(2.0)
-        return x
+        return x * 1.0
 
-    with pytest.raises(RuntimeError, match=r"in place \(the Active argument 0.*now holds the changed values"):
+    with pytest.warns(RuntimeWarning, match=r"f wrote the Active argument 0 .* yours was changed"):
         ad.pushforward(f, Active(x), tangent=torch.ones(3))
+
+
+_FORWARD_SEEDS = {
+    "pushforward": ("pushforward", {"tangent": torch.ones(3)}),
+    "value_and_pushforward": ("value_and_pushforward", {"tangent": torch.ones(3)}),
+    "tangents": ("pushforward", {"tangents": [torch.ones(3), torch.zeros(3)]}),
+}
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+@pytest.mark.parametrize("case", _FORWARD_SEEDS.values(), ids=_FORWARD_SEEDS.keys())
+def test_forward_mode_runs_a_first_call_that_writes_its_active_tensor_on_copies_and_says_so(case, prepared):
+    # Reverse mode refuses f's in-place write to an Active tensor; forward mode's dual tensors let
+    # it through. The first call runs on copies: the user's tensors stay as they were.
+    name, seed = case
+    op = getattr(ad, name)
+
+    def scaled_in_place(x, scale):
+        x.mul_(scale)
+        return x**2
+
+    x, scale = torch.ones(3), torch.tensor(2.0)
+    call = ad.prepare(op, scaled_in_place, Active(x), Constant(scale), **seed) if prepared else functools.partial(op, scaled_in_place)
+    with pytest.warns(RuntimeWarning, match=r"f wrote the Active argument 0 .*yours are unchanged"):
+        call(x, scale, **seed) if prepared else call(Active(x), Constant(scale), backend=ad.AutoTorch(), **seed)
+    torch.testing.assert_close(x, torch.ones(3), rtol=0, atol=0)
+
+
+def test_forward_mode_through_a_module_whose_f_writes_a_parameter_leaves_the_module_as_it_was():
+    net = nn.Linear(3, 2)
+    before = copy.deepcopy(net.state_dict())
+
+    def bumped(m, x):
+        m.bias.add_(1.0)
+        return m(x)
+
+    tangent = {name: torch.ones_like(p) for name, p in net.named_parameters()}
+    with pytest.warns(RuntimeWarning, match=r"f wrote the Active argument 0"):
+        ad.pushforward(bumped, Active(net), Constant(torch.ones(2, 3)), tangent=tangent)
+    for key, value in net.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)

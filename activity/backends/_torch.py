@@ -35,12 +35,12 @@ from typing import Any, Callable, ClassVar
 import attrs
 
 from .. import _arrays as arrays
-from .._errors import add_note
+from .._errors import add_note, caller_stacklevel
 from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged, cut_is_an_error, derived_from
-from ._torch_modules import ModuleDescription, bound_view, described, lease_view, release_view
+from ._torch_modules import VERSION, ModuleDescription, bound_view, described, lease_view, release_view
 
 
 def _torch() -> Any:
@@ -326,22 +326,23 @@ class AutoTorch(Backend):
                 return _func_jvp(F, xs, ts, batched, self)
             except _NoTangent as error:  # no tape in here to tell the two causes apart
                 raise _disconnected(error.op_name) from None
-        # Forward mode hands f views of the Active tensors, so an in-place write of f's would go
-        # through to the user's tensors (reverse mode refuses it on its leaves). A problem's first
-        # call runs on copies (where they are small enough to double) and refuses such a write
-        # with the user's tensors untouched; later calls are watched by the version counters the
-        # views share with the tensors.
+        # Forward mode hands f views of the Active tensors, which torch lets f write through (the
+        # tape refuses an in-place write to a leaf that requires grad, but forward mode has none,
+        # and a write under no_grad, nn.Embedding(max_norm=...)'s, passes either way). A problem's
+        # first call runs on copies (where they are small enough to double), so such a write
+        # leaves the user's tensors untouched; any write is warned of, found by the version
+        # counters the copies, or the views of later calls, share with what they view.
         problem: Any = getattr(F, "problem", None)
         first = problem is not None and not problem.forward_writes_checked
         if first and sum(x.numel() * x.element_size() for x in xs) > _MOST_COPIED_BYTES:
             first, problem.forward_writes_checked = False, True
-        given = tuple(map(_fresh_copy, xs)) if first else xs
-        versions = tuple(map(_VERSION, given))
+        given = tuple(x.detach().clone() for x in xs) if first else xs
+        versions = tuple(map(VERSION, given))
         result = self._jvp_on_the_tape(F, given, ts, batched)
-        if tuple(map(_VERSION, given)) != versions:
-            raise _written_through(F, first)
         if first:
             problem.forward_writes_checked = True
+        if tuple(map(VERSION, given)) != versions:
+            _warn_written_through(F, first)
         return result
 
     def _jvp_on_the_tape(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
@@ -624,27 +625,24 @@ def _checked_forward(F: FlatFunction) -> FlatFunction:
     return checked
 
 
-_VERSION = operator.attrgetter("_version")
 _MOST_COPIED_BYTES = 1 << 28  # a forward-mode first call copies Active tensors up to 256 MiB in all
 
 
-def _fresh_copy(x: Any) -> Any:
-    """A copy of a differentiated tensor with its flags (a leaf that requires grad, as ``x`` is)."""
-    return x.detach().clone().requires_grad_(x.requires_grad)
-
-
-def _written_through(F: FlatFunction, on_copies: bool) -> RuntimeError:
+def _warn_written_through(F: FlatFunction, on_copies: bool) -> None:
     problem = getattr(F, "problem", None)
     active = "argument" if problem is None else ", ".join(problem.label(i) for i in problem.active_positions)
     where = (
-        "This call ran on copies: your tensors are unchanged."
+        "this call ran on copies, so yours are unchanged"
         if on_copies
-        else "In forward mode f gets views of your tensors, so the write went through: the tensor you passed now holds the changed values."
+        else "forward mode gives f views of your tensors, so yours was changed, as a plain call would change it"
     )
-    return RuntimeError(
-        f"f changes a differentiated tensor in place (the Active {active}): an in-place operation, which "
-        f"activity refuses in every mode, as torch's reverse mode does. {where} Compute out of place or on a copy "
-        f"(x = x.clone()); pass scratch space that f writes as Cache(buffer), and data as Constant(x)."
+    warnings.warn(
+        f"activity.{getattr(F, 'op_name', None) or 'pushforward'}: f wrote the Active {active} in place (an "
+        f"in-place operation, or one under torch.no_grad(): nn.Embedding(max_norm=...) renormalizes the rows "
+        f"it looks up so); {where}, and the derivatives are taken at the values f used. Reverse mode refuses "
+        f"such a write unless it is under no_grad. Compute out of place or on a copy (x = x.clone()).",
+        RuntimeWarning,
+        stacklevel=caller_stacklevel(),
     )
 
 
