@@ -650,10 +650,10 @@ def _unchanged_numpy_draws(state: Any) -> Callable[[], bool]:
     its Mersenne Twister words and position. Where that cannot tell (another generator, a cached
     Gaussian that a draw takes without moving the words), it answers no, and the state is set."""
     generator = getattr(np.random.mtrand, "_rand", None)
-    bits = getattr(generator, "_bit_generator", None)
+    bits: Any = getattr(generator, "_bit_generator", None)
     if type(bits).__name__ != "MT19937" or state[0] != "MT19937" or state[3] != 0:
         return lambda: False
-    import ctypes
+    import ctypes  # (here: `import activity` loads no more than it needs)
 
     address = bits.ctypes.state_address
     words = ctypes.sizeof(ctypes.c_uint32) * len(state[1]) + ctypes.sizeof(ctypes.c_int)  # key[624], pos
