@@ -597,8 +597,22 @@ def differentiate_with(g: Callable[..., Any], backend: Any, *, has_aux: bool = F
     plain values are Active; a `Cache` is scratch space for ``g``. With
     ``has_aux=True``, ``g`` returns ``(output, aux)`` and ``h`` does too; ``aux`` is
     not differentiated. First and second derivatives are supported (see the
-    "Mixing frameworks" page for which transforms and their limits); a higher
-    order raises `UnsupportedError`.
+    "Mixing frameworks" page for which transforms and their limits).
+
+    Args:
+        g: the function, written in its own framework.
+        backend: the activity backend that differentiates ``g`` (``AutoTorch()``,
+            ``AutoJAX()``, ``AutoFiniteDifferences()``, ...).
+        has_aux: ``g`` returns ``(output, aux)``; only ``output`` is differentiated.
+
+    Returns:
+        ``h``, called like ``g`` with the caller's arrays, and differentiable by the
+        caller's framework.
+
+    Raises:
+        TypeError: ``backend`` is not an activity backend, or ``g`` is not callable.
+        UnsupportedError: (from a call of ``h``) a third or higher derivative, or a transform
+            the page lists as unsupported.
 
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> import activity as ad

@@ -19,11 +19,21 @@ from ._transforms import batchify, cachify, closurify, constantify
 def nn_scenarios(framework: str, seed: int = 0) -> list[Scenario]:
     """The layers Flux and Lux test across AD backends, as gradient scenarios.
 
-    ``"torch"``: torch.nn models (Linear chains, Conv, ConvTranspose, pooling,
-    Maxout, skip connections, Bilinear, Layer/Batch/Group/InstanceNorm,
-    Embedding, MultiheadAttention, RNN, LSTM, GRU, cells unrolled with explicit
-    state). ``"jax"``: the same layers in Equinox or as plain JAX pytrees.
-    Every value comes from ``seed``; no global RNG is read or reseeded.
+    Args:
+        framework: ``"torch"``: torch.nn models (Linear chains, Conv, ConvTranspose,
+            pooling, Maxout, skip connections, Bilinear, Layer/Batch/Group/InstanceNorm,
+            Embedding, MultiheadAttention, RNN, LSTM, GRU, cells unrolled with explicit
+            state). ``"jax"``: the same layers in Equinox or as plain JAX pytrees.
+        seed: where every parameter and input comes from; no global RNG is read or reseeded.
+
+    Returns:
+        One `Scenario` per layer, named after it; their expected results come from the
+        reference (float64 finite differences, unless `test_differentiation` is given another).
+
+    Raises:
+        ValueError: ``framework`` is neither.
+        ModuleNotFoundError: the framework (or, for ``"jax"``, Equinox) is not installed; the
+            message names the extra that installs it.
 
     >>> from activity.testing import nn_scenarios
     >>> [s.name for s in nn_scenarios("torch")][:3]

@@ -63,11 +63,27 @@ def check(
 ) -> CheckReport:
     """Check every operator that applies to ``f`` on ``backends`` against ``reference``.
 
-    ``backends``: a backend or a list (default: the one inferred from the
-    arguments). ``reference``: the independent answer (default: float64 finite
-    differences). ``operators``: restrict to these names. ``directions``: random
-    directions per directional check. Raises one `AssertionError` that names
-    each failing operator, backend and path; returns a `CheckReport` otherwise.
+    Args:
+        f: the function, called as ``f(*values)``.
+        *args: ``f``'s arguments, each annotated `Active`, `Constant` or `Cache`.
+        backends: a backend or a list of them; ``None``: the one the arguments' framework implies.
+        reference: the independent answer; ``None``: float64 finite differences
+            (`AutoFiniteDifferences`).
+        operators: only these operators (names such as ``"gradient"``); ``None``: every one
+            that applies (the scalar ones only where ``f`` returns a scalar).
+        rtol: relative tolerance of each comparison.
+        atol: absolute tolerance of each comparison.
+        directions: random tangents and cotangents per directional check.
+        seed: the seed of those directions.
+
+    Returns:
+        A `CheckReport` of every comparison (``passed``, ``failed``, ``unreliable``: those the
+        reference could not decide, with its reason).
+
+    Raises:
+        AssertionError: some comparison failed; the message names each failing operator,
+            backend and path.
+        TypeError: an argument is not annotated.
 
     >>> import torch
     >>> import activity as ad

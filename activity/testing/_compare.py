@@ -70,11 +70,23 @@ def assert_tree_allclose(
 
     Every floating leaf is compared in float64 as ``|a - e| <= atol + rtol * |e|``
     (NaN equals NaN in the same place); other leaves must be equal; ``None``
-    against ``None`` is skipped. The error lists every mismatching path with its
-    max absolute and relative error and worst index. ``ignore`` skips paths (a
-    path string, prefixes of paths, or a predicate). Comparing no leaf at all
-    is an error: a check that checks nothing must not pass. Returns the number
-    of leaves compared.
+    against ``None`` is skipped.
+
+    Args:
+        actual: the tree to check (numpy, JAX or torch leaves, any pytree or module gradient).
+        expected: the tree it must match.
+        rtol: relative tolerance.
+        atol: absolute tolerance.
+        ignore: paths not compared: a path string, several (each also a prefix of the
+            paths below it), or a predicate on a path.
+
+    Returns:
+        The number of leaves compared.
+
+    Raises:
+        AssertionError: the structures differ, some leaves are not close (the message lists
+            every mismatching path with its max absolute and relative error and worst
+            index), or no leaf was compared at all (a check that checks nothing must not pass).
 
     >>> import numpy as np
     >>> from activity.testing import assert_tree_allclose

@@ -181,12 +181,19 @@ def _params_tree(w: Any, b: Any, scale: Any) -> dict[Any, Any]:
 
 
 def default_scenarios(framework: str = "numpy") -> list[Scenario]:
-    """Scenarios for every operator, written in ``framework`` (``"numpy"``, ``"jax"`` or ``"torch"``).
+    """Scenarios for every operator, written in ``framework``.
 
     Inputs are scalars, vectors, matrices and pytrees, with one or several
     Active arguments and Constants; every scenario has ``prep_args`` different
     from its arguments. Every expected result is derived by hand (float64, at
     the scenario's values), so the finite-difference reference is checked too.
+
+    Args:
+        framework: ``"numpy"``, ``"jax"`` or ``"torch"``: the arrays and operations the
+            scenarios' functions use (the same functions and values in each).
+
+    Returns:
+        The scenarios, in the same order and with the same names in every framework.
 
     >>> from activity.testing import default_scenarios
     >>> scenarios = default_scenarios("numpy")

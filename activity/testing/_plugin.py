@@ -183,9 +183,19 @@ def marker_arguments(args: tuple[Any, ...], kwargs: dict[Any, Any], test: str) -
 def parametrize(backends: Any, scenarios: Any, **kwargs: Any) -> Any:
     """``pytest.mark.parametrize("activity_case", ...)`` without the marker, for explicit use.
 
-    Takes the marker's keywords (``reference``, ``prepared``, ``rtol``,
-    ``atol``, ``broken``, ``skip``); raises `UsageError` where the marker
-    would be a collection error.
+    Args:
+        backends: a list of backends, or one alone.
+        scenarios: a list of `Scenario`, or one alone.
+        **kwargs: the marker's keywords, as in `test_differentiation`: ``reference``,
+            ``prepared``, ``rtol``, ``atol``, ``broken``, ``skip``.
+
+    Returns:
+        A ``pytest.mark.parametrize`` of ``activity_case``, one case per backend and
+        scenario, with readable ids.
+
+    Raises:
+        UsageError: where the marker would be a collection error (an unknown keyword, a
+            ``broken=`` key that matches nothing).
 
     >>> import numpy as np
     >>> import activity as ad

@@ -224,6 +224,18 @@ def check_scenario(
 ) -> None:
     """Run one scenario on one backend (unprepared, then prepared); raise AssertionError on any problem.
 
+    Args:
+        backend: the backend to check.
+        scenario: the `Scenario` to run.
+        reference: as in `test_differentiation`.
+        prepared: as in `test_differentiation`.
+        rtol: as in `test_differentiation`.
+        atol: as in `test_differentiation`.
+
+    Raises:
+        AssertionError: a wrong result, a changed argument or global RNG, an error of the
+            operator, or a reference that failed; one message lists every problem.
+
     >>> import numpy as np
     >>> import activity as ad
     >>> from activity.testing import Scenario, check_scenario
@@ -370,27 +382,38 @@ def test_differentiation(
 ) -> Report:
     """Run every backend on every scenario it supports, unprepared and prepared.
 
-    ``backends`` and ``scenarios`` are lists, or one backend and one `Scenario`
-    alone (``test_differentiation(ad.AutoJAX(), scenario)``).
-
-    Results are compared with each scenario's expected result (``result=``,
-    or from ``reference``, finite differences by default); every call must
+    Results are compared with each scenario's expected result; every call must
     leave its arguments and the global RNGs as they were. Combinations a
     backend does not support are listed as unsupported, another framework's
     scenarios as n/a; neither is run.
 
-    ``broken=`` and ``skip=`` are the expected-failure manifest: mappings from
-    a key to a reason, the key a ``(backend, scenario)`` pair, a backend name
-    (as the report names it, or its class name) or a scenario name. A skipped
-    case is not run; a broken case that fails is reported ``broken`` and does
-    not fail the run; a broken case that passes is an ``UNEXPECTED PASS`` and
-    does. A key that matches no case that runs raises `UsageError` (a
-    ``ValueError``) before anything runs.
+    Args:
+        backends: a list of backends, or one alone.
+        scenarios: a list of `Scenario`, or one alone
+            (``test_differentiation(ad.AutoJAX(), scenario)``).
+        reference: where a scenario has no ``result=``, the backend that computes its
+            expected result; ``None``: float64 finite differences.
+        prepared: also run each case prepared: prepared on the scenario's ``prep_args`` and
+            called on them, then called on its arguments, whose result is compared (a
+            prepared operator that kept its first values or result fails).
+        rtol: relative tolerance where the scenario sets none; ``None``: 1e-4.
+        atol: absolute tolerance where the scenario sets none; ``None``: 1e-5.
+        broken: the expected failures, a mapping from a key to its reason: the key a
+            ``(backend, scenario)`` pair, a backend name (as the report names it, or its
+            class name) or a scenario name. A broken case that fails is reported ``broken``
+            and does not fail the run; one that passes is an ``UNEXPECTED PASS`` and does.
+        skip: cases not run, keyed as ``broken``.
+        progress: called with each `Outcome` as it is decided.
+        raise_on_failure: ``False`` returns the `Report` whatever it holds.
 
-    All failures are collected into one ``AssertionError`` (its message
-    includes the table), which is also raised when no case ran at all;
-    otherwise, or with ``raise_on_failure=False``, the `Report` is returned.
-    ``progress`` is called with each `Outcome` as it is decided.
+    Returns:
+        The `Report`: a backend by scenario table (``str()``) and every `Outcome`.
+
+    Raises:
+        AssertionError: some case failed, or no case ran at all; one error collects every
+            failure, and its message includes the table.
+        UsageError: (a ``ValueError``) a ``broken=`` or ``skip=`` key matches no case that
+            runs; raised before anything runs.
 
     >>> import numpy as np
     >>> import activity as ad

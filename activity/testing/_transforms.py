@@ -41,6 +41,12 @@ def constantify(scenario: Scenario) -> Scenario:
     """Add a ``Constant`` factor ``c = 1`` to the output (prepared with ``c = 2``, so a
     prepared operator that keeps its preparation values is caught).
 
+    Args:
+        scenario: the scenario to transform (not changed).
+
+    Returns:
+        A new scenario named ``<name>+constant``, with the same expected result.
+
     >>> import numpy as np
     >>> import activity as ad
     >>> from activity.testing import Scenario, constantify
@@ -96,6 +102,12 @@ def cachify(scenario: Scenario) -> Scenario:
     """Route the output through a ``Cache``: ``f`` writes it into scratch buffers (in place for
     numpy and torch, with ``.at[].set`` for JAX) and returns what it reads back.
 
+    Args:
+        scenario: the scenario to transform (not changed).
+
+    Returns:
+        A new scenario named ``<name>+cache``, with the same expected result.
+
     >>> import numpy as np
     >>> import activity as ad
     >>> from activity.testing import Scenario, cachify
@@ -128,6 +140,12 @@ def closurify(scenario: Scenario) -> Scenario:
     The closure captures the scenario's constants (keyword ones too), so its
     results must equal the annotated form's; migrating a closure-based suite
     is the reverse step.
+
+    Args:
+        scenario: the scenario to transform (not changed).
+
+    Returns:
+        A new scenario named ``<name>+closure``, with the same expected result.
 
     >>> import numpy as np
     >>> import activity as ad
@@ -174,6 +192,12 @@ _SEEDED_VALUE_FIRST = {"value_and_pushforward", "value_and_pullback", "gradient_
 def batchify(scenario: Scenario) -> Scenario:
     """Turn a single tangent (or cotangent) into the batch ``[t, 2 t]``; the expected result
     becomes ``[r, 2 r]`` by linearity. Scenarios without a tangent are returned unchanged.
+
+    Args:
+        scenario: the scenario to transform (not changed).
+
+    Returns:
+        A new scenario named ``<name>+batch``, or ``scenario`` itself where it has no tangent.
 
     >>> import numpy as np
     >>> import activity as ad
