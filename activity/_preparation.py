@@ -64,6 +64,13 @@ class Prepared(Generic[R]):
         PreparationMismatchError: (from a call, with ``strict=True``) the arguments differ
             from the preparation's in kind, structure, shape, dtype, device or static value;
             the message names the argument and what differs.
+
+    >>> import numpy as np
+    >>> import activity as ad
+    >>> loss = lambda w, x: ((x @ w) ** 2).sum()
+    >>> grad = ad.prepare(ad.gradient, loss, ad.Active(np.ones(2)), ad.Constant(np.eye(2)), backend=ad.AutoFiniteDifferences())
+    >>> grad.operator, np.round(grad(np.array([1.0, 2.0]), np.eye(2)), 6)
+    ('gradient', array([2., 4.]))
     """
 
     def __init__(
