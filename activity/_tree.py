@@ -188,6 +188,45 @@ def _register_mapping_node(cls: type) -> None:
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
+def _register_user_dict_node(cls: type) -> None:
+    """A ``collections.UserDict`` (a Hugging Face ``BatchEncoding`` or ``BatchFeature``, what a
+    tokenizer or feature extractor returns) holds its items in ``.data``: flattened item by item
+    like a dict, so new batches of the same layout are new values, not a different constant.
+    Its other attributes (a tokenizer's ``encodings``) differ with every batch: they ride along
+    in the structure without taking part in its comparison, and the rebuilt node gets them."""
+
+    def flatten(node: Any) -> tuple[list[Any], _ItemsContext, tuple[Any, ...]]:
+        keys = tuple(node.data)
+        extras = {name: item for name, item in vars(node).items() if name != "data"}
+        return [node.data[key] for key in keys], _ItemsContext(keys, extras), tuple(f"[{key!r}]" for key in keys)
+
+    def unflatten(context: _ItemsContext, children: Any) -> Any:
+        node = cls.__new__(cls)  # type: ignore[call-overload]
+        vars(node).update(context.extras)
+        node.data = dict(zip(context.keys, children))
+        return node
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+
+
+class _ItemsContext:
+    """A mapping node's keys (compared and hashed) and its other attributes (carried only)."""
+
+    __slots__ = ("keys", "extras")
+
+    def __init__(self, keys: tuple[Any, ...], extras: dict[str, Any]):
+        self.keys, self.extras = keys, extras
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ItemsContext) and self.keys == other.keys
+
+    def __hash__(self) -> int:
+        return hash(self.keys)
+
+    def __repr__(self) -> str:
+        return repr(list(self.keys))
+
+
 def _fields(cls: type) -> list[tuple[str, bool]] | None:
     if attrs.has(cls):
         return [(a.name, a.init) for a in attrs.fields(cls)]
@@ -212,6 +251,9 @@ def _learn_type(value: Any) -> bool:
         _node_types[cls] = True
     elif (node := _torch_node(cls)) is not None:
         _register_torch_node(cls, node)
+        _node_types[cls] = True
+    elif isinstance(value, collections.UserDict):
+        _register_user_dict_node(cls)
         _node_types[cls] = True
     elif (fields := _fields(cls)) is not None:
         if issubclass(cls, collections.abc.Mapping):
