@@ -437,3 +437,163 @@ def test_parameters_given_to_functional_call_as_the_active_dict_and_as_constant_
     names, ps = zip(*trainable(twin))
     want = dict(zip(names, torch.autograd.grad(overridden(twin, override, x), ps, materialize_grads=True)))
     assert_close_dicts(ad.gradient(overridden, Active(model), Constant(override), Constant(x)), want)
+
+
+# ---------------------------------------------------------------- f reaching into the module
+
+
+REGULARIZED = {
+    "parameters()": lambda m, x: m(x).sum() + 0.1 * sum(p.pow(2).sum() for p in m.parameters()),
+    "named_parameters()": lambda m, x: m(x).sum() + 0.1 * sum(p.pow(2).sum() for n, p in m.named_parameters() if "weight" in n),
+    "state_dict()": lambda m, x: m(x).sum() + sum(v.pow(2).sum() for v in m.state_dict().values()),
+    "modules()": lambda m, x: m(x).sum() + sum(l.weight.pow(2).sum() for l in m.modules() if isinstance(l, nn.Linear)),
+    "an attribute": lambda m, x: (x @ m[0].weight.T).tanh().sum() * m[2].bias.sum(),
+    "children()": lambda m, x: list(m.children())[0](x).pow(2).sum(),
+}
+
+
+@pytest.mark.parametrize("name", REGULARIZED)
+def test_a_loss_reading_parameters_through_the_modules_own_methods_is_differentiated_there(name):
+    """A weight-decay term over ``model.parameters()`` (or ``state_dict()``, ``modules()``...) in f
+    reads the differentiated tensors, in every operator, prepared or not."""
+    loss = REGULARIZED[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 1, dtype=torch.float64))
+    x = randn(2, 3, seed=1)
+    intact = untouched(Active(model), Constant(x))
+    twin = copy.deepcopy(model)
+    names, params = zip(*trainable(twin))
+    gradients = torch.autograd.grad(loss(twin, x), params, create_graph=True, materialize_grads=True)
+    want = dict(zip(names, (g.detach() for g in gradients)))
+    assert_close_dicts(ad.gradient(loss, Active(model), Constant(x)), want)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    prepared(model, x)
+    assert_close_dicts(prepared(model, x), want)
+    tangent = {name: randn(*p.shape, seed=index) for index, (name, p) in enumerate(twin.named_parameters())}
+    curved = [i for i, g in enumerate(gradients) if g.requires_grad]  # the others are constant: zero rows
+    products = torch.autograd.grad([gradients[i] for i in curved], params, [tangent[names[i]] for i in curved], materialize_grads=True)
+    assert_close_dicts(ad.hvp(loss, Active(model), Constant(x), tangent=tangent), dict(zip(names, products)))
+    assert intact()
+
+
+# ---------------------------------------------------------------- outputs and operators on HF models
+
+
+def test_pushforward_and_pullback_of_a_model_output_with_hidden_states_and_an_unused_pooler():
+    """f returns ResNet's ModelOutput (logits and a tuple of hidden states): the pushforward is
+    that ModelOutput type, the pullback takes one as its cotangent. A BERT pooler the loss does
+    not use gets zeros, not a missing key."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1], layer_type="basic", num_labels=3)
+        model = transformers.ResNetForImageClassification(config).double().eval()
+    pixels = randn(2, 3, 8, 8, seed=1)
+
+    def outputs(model, pixels):
+        return model(pixel_values=pixels, output_hidden_states=True)
+
+    twin = copy.deepcopy(model)
+    params = {name: p.detach() for name, p in twin.named_parameters()}
+    tangent = {name: randn(*p.shape, seed=index) for index, (name, p) in enumerate(params.items())}
+    got = ad.pushforward(outputs, Active(model), Constant(pixels), tangent=tangent)
+    _, want = torch.func.jvp(lambda ps: torch.func.functional_call(twin, ps, (pixels,), {"output_hidden_states": True}), (params,), (tangent,))
+    assert type(got) is type(want) and list(got) == ["logits", "hidden_states"]
+    torch.testing.assert_close(got.logits, want.logits)
+    torch.testing.assert_close(got.hidden_states, want.hidden_states)
+
+    reference = outputs(twin, pixels)
+    cotangent = type(reference)(logits=randn(2, 3, seed=2), hidden_states=tuple(randn(*h.shape, seed=3 + i) for i, h in enumerate(reference.hidden_states)))
+    names, leaves = zip(*trainable(twin))
+    pulled = torch.autograd.grad([reference.logits, *reference.hidden_states], leaves, [cotangent.logits, *cotangent.hidden_states], materialize_grads=True)
+    assert_close_dicts(ad.pullback(outputs, Active(model), Constant(pixels), cotangent=cotangent), dict(zip(names, pulled)))
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        bert = transformers.BertModel(config).double().eval()
+
+    def hidden(model, ids):
+        return model(input_ids=ids).last_hidden_state.pow(2).sum()
+
+    ids = token_ids(1, (2, 5), 30)
+    twin = copy.deepcopy(bert)
+    names, leaves = zip(*trainable(twin))
+    want = dict(zip(names, torch.autograd.grad(hidden(twin, ids), leaves, materialize_grads=True)))
+    got = ad.gradient(hidden, Active(bert), Constant(ids))
+    assert_close_dicts(got, want)
+    assert not got["pooler.dense.weight"].any()
+
+
+def test_a_prepared_hvp_follows_a_batchnorm_switched_to_train_mode_and_back():
+    class Normed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3, dtype=torch.float64)
+            self.norm = nn.BatchNorm1d(3, dtype=torch.float64).eval()
+
+        def forward(self, x):
+            return self.norm(torch.tanh(self.lin(x)))
+
+    def expected(model, x, tangent):
+        twin = copy.deepcopy(model)
+        names, params = zip(*trainable(twin))
+        gradients = torch.autograd.grad(squared(twin, x), params, create_graph=True)
+        return dict(zip(names, torch.autograd.grad(gradients, params, [tangent[n] for n in names])))
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Normed()
+    x, tangent = randn(4, 3, seed=1), {name: randn(*p.shape, seed=i) for i, (name, p) in enumerate(model.named_parameters())}
+    prepared = ad.prepare(ad.hvp, squared, Active(model), Constant(x), tangent=tangent)
+    assert_close_dicts(prepared(model, x, tangent=tangent), expected(model, x, tangent))
+    model.norm.train()  # batch statistics now: a different function
+    intact = untouched(Active(model), Constant(x))
+    assert_close_dicts(prepared(model, x, tangent=tangent), expected(model, x, tangent))
+    new = randn(4, 3, seed=2)
+    assert_close_dicts(prepared(model, new, tangent=tangent), expected(model, new, tangent))
+    assert intact()  # running statistics untouched
+    model.norm.eval()
+    assert_close_dicts(prepared(model, new, tangent=tangent), expected(model, new, tangent))
+
+
+def test_gradient_and_hvp_of_qwen2_restricted_to_its_query_and_value_projections():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(
+            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager",
+        )
+        model = transformers.Qwen2ForCausalLM(config).double().eval()
+
+    def loss(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    def adapted(path, _):
+        return "q_proj" in path or "v_proj" in path
+
+    tangent = {name: randn(*p.shape, seed=i) for i, (name, p) in enumerate(model.named_parameters()) if adapted(name, p)}
+    twin = copy.deepcopy(model)
+    for name, parameter in twin.named_parameters():
+        parameter.requires_grad_(adapted(name, parameter))
+    names, params = zip(*trainable(twin))
+
+    def expected(ids):
+        gradients = torch.autograd.grad(loss(twin, ids), params, create_graph=True)
+        products = torch.autograd.grad(gradients, params, [tangent[n] for n in names])
+        return dict(zip(names, (g.detach() for g in gradients))), dict(zip(names, products))
+
+    ids = token_ids(1, (2, 5), 40)
+    intact = untouched(Active(model), Constant(ids))
+    assert_close_dicts(ad.hvp(loss, Active(model, where=adapted), Constant(ids), tangent=tangent), expected(ids)[1])
+    prepared = ad.prepare(ad.gradient_and_hvp, loss, Active(model, where=adapted), Constant(ids), tangent=tangent)
+    prepared(model, ids, tangent=tangent)
+    new = token_ids(2, (2, 5), 40)
+    gradient, product = prepared(model, new, tangent=tangent)
+    want_gradient, want_product = expected(new)
+    assert_close_dicts(gradient, want_gradient)
+    assert_close_dicts(product, want_product)
+    assert intact()
