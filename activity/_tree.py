@@ -192,39 +192,25 @@ def _register_user_dict_node(cls: type) -> None:
     """A ``collections.UserDict`` (a Hugging Face ``BatchEncoding`` or ``BatchFeature``, what a
     tokenizer or feature extractor returns) holds its items in ``.data``: flattened item by item
     like a dict, so new batches of the same layout are new values, not a different constant.
-    Its other attributes (a tokenizer's ``encodings``) differ with every batch: they ride along
-    in the structure without taking part in its comparison, and the rebuilt node gets them."""
+    Its other attributes are children too (after the items), never metadata of the structure:
+    a prepared call compares and rebuilds them as it does any leaf, so none is carried over
+    stale from the preparation values."""
 
-    def flatten(node: Any) -> tuple[list[Any], _ItemsContext, tuple[Any, ...]]:
+    def flatten(node: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
         keys = tuple(node.data)
-        extras = {name: item for name, item in vars(node).items() if name != "data"}
-        return [node.data[key] for key in keys], _ItemsContext(keys, extras), tuple(f"[{key!r}]" for key in keys)
+        names = tuple(name for name in vars(node) if name != "data")
+        children = [*(node.data[key] for key in keys), *(vars(node)[name] for name in names)]
+        return children, (keys, names), (*(f"[{key!r}]" for key in keys), *("." + name for name in names))
 
-    def unflatten(context: _ItemsContext, children: Any) -> Any:
+    def unflatten(context: tuple[tuple[Any, ...], tuple[str, ...]], children: Any) -> Any:
+        keys, names = context
+        children = list(children)
         node = cls.__new__(cls)  # type: ignore[call-overload]
-        vars(node).update(context.extras)
-        node.data = dict(zip(context.keys, children))
+        vars(node).update(zip(names, children[len(keys) :]))
+        node.data = dict(zip(keys, children[: len(keys)]))
         return node
 
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
-
-
-class _ItemsContext:
-    """A mapping node's keys (compared and hashed) and its other attributes (carried only)."""
-
-    __slots__ = ("keys", "extras")
-
-    def __init__(self, keys: tuple[Any, ...], extras: dict[str, Any]):
-        self.keys, self.extras = keys, extras
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ItemsContext) and self.keys == other.keys
-
-    def __hash__(self) -> int:
-        return hash(self.keys)
-
-    def __repr__(self) -> str:
-        return repr(list(self.keys))
 
 
 def _fields(cls: type) -> list[tuple[str, bool]] | None:

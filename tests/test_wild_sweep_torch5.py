@@ -12,6 +12,7 @@ arguments (parameters, buffers, ``.grad``, flags) and the global RNGs as they we
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 
@@ -112,6 +113,65 @@ def test_a_tokenizers_batch_encoding_is_data_and_a_prepared_call_takes_new_batch
         torch.testing.assert_close(value, masked_lm_loss(model, batch))
         assert_close_dicts(gradient, raw_gradient(masked_lm_loss, model, batch))
     assert intact()
+
+
+class Scaled(collections.UserDict):
+    """A UserDict with an attribute of its own beside its items."""
+
+    def __init__(self, data, scale):
+        super().__init__(data)
+        self.scale = scale
+
+
+def test_a_user_dicts_own_attributes_are_compared_and_never_taken_from_the_preparation_values():
+    def loss(w, batch):
+        return ((w * batch["x"]).sum() * batch.scale) ** 2
+
+    w = randn(3, seed=1)
+
+    def expected(batch):
+        leaf = w.clone().requires_grad_()
+        return torch.autograd.grad(loss(leaf, batch), leaf)[0]
+
+    first = Scaled({"x": randn(3, seed=2)}, torch.tensor(2.0, dtype=torch.float64))
+    prepared = ad.prepare(ad.gradient, loss, Active(w), Constant(first))
+    torch.testing.assert_close(prepared(w, first), expected(first))
+    new = Scaled({"x": randn(3, seed=3)}, torch.tensor(7.0, dtype=torch.float64))
+    torch.testing.assert_close(prepared(w, new), expected(new))  # the new items and the new scale
+    prepared = ad.prepare(ad.gradient, loss, Active(w), Constant(Scaled({"x": randn(3, seed=2)}, 2.0)))
+    with pytest.raises(ad.PreparationMismatchError, match=r"at \.scale: expected the value 2\.0, got the value 7\.0"):
+        prepared(w, Scaled({"x": randn(3, seed=3)}, 7.0))
+
+
+def test_a_fast_tokenizers_batch_encoding_is_refused_by_a_prepared_call_with_what_to_pass_instead():
+    """A fast tokenizer's BatchEncoding carries its Encoding objects, which compare by identity:
+    unprepared it is right; a prepared call names them and says to pass the ``.data`` dict,
+    which then takes new batches."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocabulary = {word: i for i, word in enumerate(["[PAD]", "[UNK]", "a", "b", "c", "d", "e"])}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
+    first, second = (tokenizer(texts, return_tensors="pt") for texts in (["a b c", "d e a"], ["c c d", "a e b"]))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=7, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        model = transformers.BertForMaskedLM(config).double().eval()
+
+    def loss(model, batch):
+        return model(**batch, labels=batch["input_ids"]).loss
+
+    assert_close_dicts(ad.gradient(loss, Active(model), Constant(first)), raw_gradient(loss, model, first))
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(first))
+    prepared(model, first)
+    with pytest.raises(ad.PreparationMismatchError, match=r"_encodings\[0\].*compares by identity.*\.data dict"):
+        prepared(model, second)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(first.data))
+    prepared(model, first.data)
+    assert_close_dicts(prepared(model, second.data), raw_gradient(loss, model, second))
 
 
 def tiny_resnet():
