@@ -657,3 +657,31 @@ def test_gradient_and_hvp_of_qwen2_restricted_to_its_query_and_value_projections
     assert_close_dicts(gradient, want_gradient)
     assert_close_dicts(product, want_product)
     assert intact()
+
+
+def test_gemma_with_its_embedding_scale_buffer_gradient_prepared_and_pushforward():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        config = transformers.GemmaConfig(
+            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=8, max_position_embeddings=32, attn_implementation="eager",
+        )
+        model = transformers.GemmaForCausalLM(config).double().eval()
+
+    def loss(model, ids):
+        return model(input_ids=ids, labels=ids).loss
+
+    ids = token_ids(1, (2, 5), 40)
+    intact = untouched(Active(model), Constant(ids))
+    assert_close_dicts(ad.gradient(loss, Active(model), Constant(ids)), raw_gradient(loss, model, ids))
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(ids))
+    prepared(model, ids)
+    new = token_ids(2, (2, 5), 40)
+    assert_close_dicts(prepared(model, new), raw_gradient(loss, model, new))
+    tangent = {name: randn(*p.shape, seed=i) for i, (name, p) in enumerate(trainable(model))}
+    twin = copy.deepcopy(model)
+    params = {name: p.detach() for name, p in twin.named_parameters()}
+    _, want = torch.func.jvp(lambda ps: torch.func.functional_call(twin, ps, (ids,)).logits, (params,), (tangent,))
+    got = ad.pushforward(lambda model, ids: model(input_ids=ids).logits, Active(model), Constant(ids), tangent=tangent)
+    torch.testing.assert_close(got, want)
+    assert intact()
