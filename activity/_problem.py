@@ -654,7 +654,7 @@ class Problem:
                         )
                     return (
                         f"{self.label(position)} at {path}: expected {_describe(meta_e)}, got {_describe(meta_a)}."
-                        f"{_static_number_hint(meta_e, meta_a)}"
+                        f"{_static_number_hint(meta_e, meta_a)}{_static_identity_hint(meta_e, meta_a)}"
                     )
         return None
 
@@ -1000,6 +1000,19 @@ def _static_number_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> s
     return (
         " A Python number is compiled in as a static value; make it an array (jnp.asarray, "
         "torch.tensor) to pass a new one without preparing again."
+    )
+
+
+def _static_identity_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str:
+    """For an object without ``==`` of its own (a fast tokenizer's ``Encoding`` in a
+    ``BatchEncoding``): a new one never equals the prepared one, whatever it holds."""
+    if not (expected[0] == actual[0] == "static" and type(expected[1]) is type(actual[1])):
+        return ""
+    if getattr(type(actual[1]), "__eq__") is not getattr(object, "__eq__"):
+        return ""
+    return (
+        f" An object of type {type(actual[1]).__name__} compares by identity, so a new one never matches the prepared one: "
+        f"pass only the arrays f needs (for a tokenizer's BatchEncoding, its .data dict)."
     )
 
 

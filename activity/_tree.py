@@ -188,6 +188,31 @@ def _register_mapping_node(cls: type) -> None:
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
+def _register_user_dict_node(cls: type) -> None:
+    """A ``collections.UserDict`` (a Hugging Face ``BatchEncoding`` or ``BatchFeature``, what a
+    tokenizer or feature extractor returns) holds its items in ``.data``: flattened item by item
+    like a dict, so new batches of the same layout are new values, not a different constant.
+    Its other attributes are children too (after the items), never metadata of the structure:
+    a prepared call compares and rebuilds them as it does any leaf, so none is carried over
+    stale from the preparation values."""
+
+    def flatten(node: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
+        keys = tuple(node.data)
+        names = tuple(name for name in vars(node) if name != "data")
+        children = [*(node.data[key] for key in keys), *(vars(node)[name] for name in names)]
+        return children, (keys, names), (*(f"[{key!r}]" for key in keys), *("." + name for name in names))
+
+    def unflatten(context: tuple[tuple[Any, ...], tuple[str, ...]], children: Any) -> Any:
+        keys, names = context
+        children = list(children)
+        node = cls.__new__(cls)  # type: ignore[call-overload]
+        vars(node).update(zip(names, children[len(keys) :]))
+        node.data = dict(zip(keys, children[: len(keys)]))
+        return node
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+
+
 def _fields(cls: type) -> list[tuple[str, bool]] | None:
     if attrs.has(cls):
         return [(a.name, a.init) for a in attrs.fields(cls)]
@@ -212,6 +237,9 @@ def _learn_type(value: Any) -> bool:
         _node_types[cls] = True
     elif (node := _torch_node(cls)) is not None:
         _register_torch_node(cls, node)
+        _node_types[cls] = True
+    elif isinstance(value, collections.UserDict):
+        _register_user_dict_node(cls)
         _node_types[cls] = True
     elif (fields := _fields(cls)) is not None:
         if issubclass(cls, collections.abc.Mapping):
