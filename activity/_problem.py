@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections.abc
 import sys
+import warnings
 from typing import Any, Callable, Sequence, overload
 
 import attrs
@@ -21,7 +22,7 @@ import numpy as np
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
 from ._conventions import adapter_for, is_python_number
-from ._errors import RAISED_BY_F, UnsupportedError, add_note
+from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
 from ._tree import LEAF, flatten, leaf_paths, structure_difference, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
@@ -452,6 +453,8 @@ class Problem:
                     described = described.selecting(selection[index])
                     self._described[(position, index)] = described
                 names, params = (described.names, described.params) if kind == "active" else ([], [])
+                prefix = paths[index] + "." if paths and paths[index] else ""
+                self._warn_of_gradient_hooks(position, [(prefix + n, p) for n, p in zip(names, params)])
                 self.module_names[(position, index)] = names
                 self.diff_shapes += [tuple(p.shape) for p in params]
                 self.diff_dtypes += [p.dtype for p in params]
@@ -462,6 +465,8 @@ class Problem:
                 and (selection is None or selection[index])
             ):
                 role = DIFF
+                if getattr(leaf, "_backward_hooks", None):
+                    self._warn_of_gradient_hooks(position, [((paths or leaf_paths(value))[index] or "its root", leaf)])
                 leaf = self.backend.as_array(leaf)
                 self.diff_shapes.append(arrays.shape(leaf))
                 self.diff_dtypes.append(leaf.dtype)
@@ -493,6 +498,22 @@ class Problem:
         self.roles.append(tuple(roles))
         self.statics.append(tuple(statics))
         self.signature.append((kind, spec, tuple(metas), selection))
+
+    def _warn_of_gradient_hooks(self, position: int, named: list[tuple[str, Any]]) -> None:
+        """Gradient hooks on differentiated torch tensors (``Tensor.register_hook``: clipping,
+        masking embedding rows) are not applied: the results are f's derivatives, as torch.func
+        computes them, where ``torch.autograd.grad`` and ``backward()`` pass the gradient through
+        the hooks. Silently different numbers from those would be a trap: say so."""
+        hooked = [name for name, tensor in named if getattr(tensor, "_backward_hooks", None)]
+        if hooked:
+            warnings.warn(
+                f"activity.{self.op_name}: {self.label(position)} has gradient hooks (Tensor.register_hook) on "
+                f"{', '.join(hooked)}, which activity does not apply: its results are f's derivatives, as "
+                f"torch.func computes them, where torch.autograd.grad and backward() pass them through the "
+                f"hooks. Apply the hook to the result yourself, or remove it (handle.remove()).",
+                UserWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
     def modules(self) -> list[Any]:
         """The torch modules of the arguments, as last described."""

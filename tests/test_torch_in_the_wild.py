@@ -1207,3 +1207,33 @@ def test_forward_mode_through_a_module_whose_f_writes_a_parameter_leaves_the_mod
         ad.pushforward(bumped, Active(net), Constant(torch.ones(2, 3)), tangent=tangent)
     for key, value in net.state_dict().items():
         torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_gradient_hooks_on_differentiated_tensors_are_named_in_a_warning_not_silently_skipped():
+    # torch.autograd.grad passes a parameter's gradient through its Tensor.register_hook hooks;
+    # activity (like torch.func) returns f's derivative: the user is told which tensors differ.
+    model = init(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)))
+    x = randn(5, 3, seed=1)
+    handle = model[2].weight.register_hook(lambda g: 2 * g)
+    loss = lambda m, x: m(x).pow(2).mean()  # noqa: E731
+    expected = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).pow(2).mean())(
+        {n: p.detach() for n, p in model.named_parameters()}
+    )
+    hooked_by_torch = torch.autograd.grad(loss(model, x), [model[2].weight])[0]
+    torch.testing.assert_close(hooked_by_torch, 2 * expected["2.weight"])  # the hook is live
+    with pytest.warns(UserWarning, match=r"gradient hooks .* on 2\.weight, which activity does not apply") as caught:
+        grads = ad.gradient(loss, Active(model), Constant(x))
+    assert len(caught) == 1
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name])
+
+    w = torch.ones(3, requires_grad=True)
+    w.register_hook(lambda g: 0 * g)
+    with pytest.warns(UserWarning, match="gradient hooks .* on its root"):
+        torch.testing.assert_close(ad.gradient(lambda w: (w**2).sum(), Active(w)), 2 * torch.ones(3))
+
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ad.gradient(loss, Active(model), Constant(x))
+        ad.gradient(loss, Constant(model), Active(x))  # a Constant module's hooks concern no result
