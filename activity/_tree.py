@@ -46,12 +46,57 @@ def _jax_registered(value: Any) -> bool:
 def _register_jax_node(cls: type) -> None:
     import jax
 
-    def flatten(node: Any) -> tuple[list[Any], Any, tuple[Any, ...]]:
+    def flatten(node: Any) -> tuple[list[Any], _JaxNode, tuple[Any, ...]]:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda n: n is not node)
         entries = tuple(jax.tree_util.keystr(path) for path, _ in pairs)
-        return [child for _, child in pairs], treedef, entries
+        return [child for _, child in pairs], _JaxNode(treedef), entries
 
-    optree.register_pytree_node(cls, flatten, lambda treedef, children: treedef.unflatten(children), namespace=NAMESPACE)  # type: ignore[union-attr]
+    optree.register_pytree_node(cls, flatten, lambda node, children: node.treedef.unflatten(children), namespace=NAMESPACE)  # type: ignore[union-attr]
+
+
+class _JaxNode:
+    """A JAX node's one-level treedef as the metadata optree compares and hashes. JAX's own
+    comparison raises where the node's static data holds an array (an Equinox
+    ``eqx.field(static=True)`` array, which Equinox warns of but runs): such data compares
+    item by item here, the same array object or an equal one matching, as static leaves do."""
+
+    __slots__ = ("treedef",)
+
+    def __init__(self, treedef: Any):
+        self.treedef = treedef
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _JaxNode):
+            return NotImplemented
+        try:
+            return bool(self.treedef == other.treedef)
+        except ValueError:  # an array in the static data: JAX cannot tell
+            (type_a, data_a), (type_b, data_b) = self.treedef.node_data(), other.treedef.node_data()
+            return type_a is type_b and _same_static_data(data_a, data_b)
+
+    def __hash__(self) -> int:
+        try:
+            return hash(self.treedef)
+        except TypeError:  # unhashable static data: equal nodes still share this hash
+            return hash(self.treedef.node_data()[0])
+
+    def __repr__(self) -> str:
+        return repr(self.treedef)
+
+
+def _same_static_data(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, (list, tuple)) and type(a) is type(b):
+        return len(a) == len(b) and all(map(_same_static_data, a, b))
+    if type(a) is not type(b):
+        return False
+    try:
+        if hasattr(a, "shape") and hasattr(a, "dtype"):  # an array: == is elementwise
+            return bool(a.shape == b.shape and a.dtype == b.dtype and (a == b).all())
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - data whose == is not a bool compares by identity
+        return False
 
 
 # ------------------------------------------------------------------ torch
@@ -408,7 +453,10 @@ def structure_difference(expected: optree.PyTreeSpec, tree: Any) -> str:
     if not parts:
         have = flatten(tree)[1]
         kinds = (expected.type.__name__ if expected.type else "a leaf", have.type.__name__ if have.type else "a leaf")
-        parts.append(f"a {kinds[1]} where a {kinds[0]} is expected" if kinds[0] != kinds[1] else "node types differ")
+        parts.append(f"a {kinds[1]} where a {kinds[0]} is expected" if kinds[0] != kinds[1] else (
+            "the static data of a node differs (a field not flattened as a leaf: an eqx.field(static=True), "
+            "a register_dataclass meta field)"
+        ))
     return "; ".join(parts)
 
 

@@ -373,11 +373,25 @@ def _jax_keeps(out: Any) -> bool:
     leaves, treedef = jax.tree_util.tree_flatten(out)
     if not all(isinstance(leaf, jax.Array) for leaf in leaves):
         return False
+    if _holds_static_array(treedef):  # JAX's comparisons of this structure raise: activity's compare
+        return False
     try:
         rebuilt = treedef.unflatten(leaves)
     except Exception:  # noqa: BLE001 - a namedtuple whose __new__ refuses the None at a non-floating leaf
         return False
     return _same_layout(out, rebuilt)
+
+
+def _holds_static_array(treedef: Any) -> bool:
+    """Whether a node's static data holds an array (an Equinox ``eqx.field(static=True)`` array)."""
+
+    def holds(data: Any) -> bool:
+        if isinstance(data, (tuple, list)):
+            return any(map(holds, data))
+        return hasattr(data, "shape") and hasattr(data, "dtype")
+
+    node = treedef.node_data()
+    return node is not None and (holds(node[1]) or any(map(_holds_static_array, treedef.children())))
 
 
 def _same_layout(built: Any, rebuilt: Any) -> bool:
