@@ -862,6 +862,9 @@ class _FastSplit:
                 xs += description.params
                 continue
             if role == "diff":
+                if value._backward_hooks:  # the planned path, which names the hooks it does not apply
+                    _release(leases)
+                    return None
                 leaf = _tape_leaf(value)
                 leaves.append(leaf)
                 xs.append(value)
