@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+EXTRAS := jax,torch,testing,test,docs,bench
 
 .PHONY: demo test bench install clean flake screenshots
 
@@ -15,7 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	# The project was installed as "activity" before its rename to activity-ad: two copies would load the pytest plugin twice.
 	$(PY) -m pip uninstall --quiet --yes activity 2>/dev/null || true
 	rm -rf activity.egg-info
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[jax,torch,testing,test,docs,bench]"
+	@# uv installs the rest in seconds where pip takes over a minute; it keeps the torch above
+	@# (2.13.0 satisfies the extra's range). Where uv cannot be had, pip does it.
+	( $(PY) -m pip install --quiet --disable-pip-version-check uv && \
+	  $(PY) -m uv pip install --quiet --python $(PY) -e ".[$(EXTRAS)]" ) || \
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 install: $(STAMP)
