@@ -17,9 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall --quiet --yes activity 2>/dev/null || true
 	rm -rf activity.egg-info
 	@# uv installs the rest in seconds where pip takes over a minute; it keeps the torch above
-	@# (2.13.0 satisfies the extra's range). Where uv cannot be had, pip does it.
+	@# (2.13.0 satisfies the extra's range) and compiles the bytecode as pip does, for the first imports
+	@# of the suite's processes. Where uv cannot be had, pip does it.
 	( $(PY) -m pip install --quiet --disable-pip-version-check uv && \
-	  $(PY) -m uv pip install --quiet --python $(PY) -e ".[$(EXTRAS)]" ) || \
+	  $(PY) -m uv pip install --quiet --compile-bytecode --python $(PY) -e ".[$(EXTRAS)]" ) || \
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
