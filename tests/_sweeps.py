@@ -26,6 +26,43 @@ def trainable(model) -> list:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def raw_gradient_of(loss, twin, *args) -> dict:
+    """``torch.autograd.grad`` of ``loss(twin, *args)`` on ``twin`` itself (a copy of the user's
+    model the caller made), keyed like ``named_parameters()``."""
+    import torch
+
+    names, params = zip(*trainable(twin))
+    return dict(zip(names, torch.autograd.grad(loss(twin, *args), params)))
+
+
+def raw_gradient(loss, model, *args) -> dict:
+    """`raw_gradient_of` on a deep copy of ``model``: the user's model never runs in the raw call."""
+    import copy
+
+    return raw_gradient_of(loss, copy.deepcopy(model), *args)
+
+
+def assert_close_dicts(got, want, **tolerances) -> None:
+    """The same keys in the same order, then ``torch.testing.assert_close`` key by key."""
+    import torch
+
+    assert list(got) == list(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], msg=key, **tolerances)
+
+
+def untouched(*annotated):
+    """A check, to call after the calls, that nothing of ``annotated`` (nor a global RNG) changed."""
+    from activity.testing._intact import Snapshot
+
+    snapshot = Snapshot(annotated)
+    return lambda: snapshot.changes() == []
+
+
+def squared(m, x):
+    return m(x).pow(2).sum()
+
+
 def normal(seed: int, *shape: int):
     """A JAX array of seeded normal draws."""
     import jax

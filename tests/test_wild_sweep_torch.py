@@ -19,30 +19,10 @@ from torch import nn
 import activity as ad
 from activity import Active, Constant
 from activity.backends._finite_differences import ReferencePrecisionWarning
-from activity.testing._intact import Snapshot
 
-from _sweeps import generator, randn, trainable
+from _sweeps import assert_close_dicts, generator, randn, raw_gradient, squared, trainable, untouched
 
 FD = ad.AutoFiniteDifferences()
-
-
-def raw_gradient(loss, model, *args):
-    """``torch.autograd.grad`` on a deep copy, keyed like ``named_parameters()``."""
-    twin = copy.deepcopy(model)
-    names, params = zip(*trainable(twin))
-    return dict(zip(names, torch.autograd.grad(loss(twin, *args), params)))
-
-
-def assert_close_dicts(got, want, **tolerances):
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=key, **tolerances)
-
-
-def untouched(*annotated):
-    """A check, to call after the calls, that nothing of ``annotated`` (nor a global RNG) changed."""
-    snapshot = Snapshot(annotated)
-    return lambda: snapshot.changes() == []
 
 
 # ---------------------------------------------------------------- the finite-difference reference
@@ -85,10 +65,6 @@ def test_finite_differences_of_float64_functions_stay_exact():
 def small_mlp() -> nn.Module:
     torch.manual_seed(0)  # (inside a forked RNG, see the callers)
     return nn.Sequential(nn.Linear(3, 4, dtype=torch.float64), nn.Tanh(), nn.Linear(4, 2, dtype=torch.float64))
-
-
-def squared(m, x):
-    return m(x).pow(2).sum()
 
 
 @pytest.mark.parametrize("make", ["script", "trace", "submodule"])

@@ -24,33 +24,11 @@ from torch.nn.utils import parametrize
 
 import activity as ad
 from activity import Active, Constant
-from activity.testing._intact import Snapshot
 
-from _sweeps import generator, randn, trainable
+from _sweeps import assert_close_dicts, generator, randn, squared, trainable, untouched
+from _sweeps import raw_gradient_of as raw_gradient
 
 FD = ad.AutoFiniteDifferences()
-
-
-def raw_gradient(loss, twin, *args):
-    """``torch.autograd.grad`` on ``twin`` (a copy of the user's model), keyed like ``named_parameters()``."""
-    names, params = zip(*trainable(twin))
-    return dict(zip(names, torch.autograd.grad(loss(twin, *args), params)))
-
-
-def assert_close_dicts(got, want, **tolerances):
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=key, **tolerances)
-
-
-def untouched(*annotated):
-    """A check, to call after the calls, that nothing of ``annotated`` (nor a global RNG) changed."""
-    snapshot = Snapshot(annotated)
-    return lambda: snapshot.changes() == []
-
-
-def squared(m, x):
-    return m(x).pow(2).sum()
 
 
 # ---------------------------------------------------------------- parametrizations

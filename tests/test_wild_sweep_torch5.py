@@ -23,35 +23,11 @@ from torch import nn
 
 import activity as ad
 from activity import Active, Constant
-from activity.testing._intact import Snapshot
 
-from _sweeps import generator, randn, trainable
+from _sweeps import assert_close_dicts, generator, randn, raw_gradient, squared, trainable, untouched
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-
-def raw_gradient(loss, model, *args):
-    """``torch.autograd.grad`` on a fresh copy of ``model``, keyed like ``named_parameters()``."""
-    twin = copy.deepcopy(model)
-    names, params = zip(*trainable(twin))
-    return dict(zip(names, torch.autograd.grad(loss(twin, *args), params)))
-
-
-def assert_close_dicts(got, want, **tolerances):
-    assert list(got) == list(want)
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], msg=key, **tolerances)
-
-
-def untouched(*annotated):
-    """A check, to call after the calls, that nothing of ``annotated`` (nor a global RNG) changed."""
-    snapshot = Snapshot(annotated)
-    return lambda: snapshot.changes() == []
-
-
-def squared(m, x):
-    return m(x).pow(2).sum()
 
 
 def assert_gradient_unprepared_and_prepared(model, x, loss=squared, **tolerances):
