@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -55,6 +56,11 @@ class NNXModule:
     def result(self, graphdef: Any, params: Any) -> Any:
         return params  # an nnx.State of the parameters: what nnx.grad returns
 
+    def mask(self, graphdef: Any, where: Any) -> Any:
+        """A ``where=`` pytree of bools in the structure of the parameters' ``nnx.State``: a
+        plain nested dict (``{"head": True, "body": False}``) is read as that state."""
+        return _as_state(where)
+
     def describe(self, module: Any) -> str:
         return f"a Flax NNX {type(module).__name__}"
 
@@ -79,6 +85,13 @@ class NNXModule:
 
 
 _MISSING = object()
+
+
+def _as_state(where: Any) -> Any:
+    nnx = sys.modules["flax.nnx"]
+    if isinstance(where, Mapping) and not isinstance(where, nnx.State):
+        return nnx.State(where)  # nested dicts become nested states
+    return where
 
 
 def _is_nnx_module(node: Any) -> bool:
@@ -117,6 +130,18 @@ class NNXModulesInPytree:
 
     def result(self, static: Any, params: Any) -> Any:
         return params  # the pytree with each module's nnx.State of gradients in its place
+
+    def mask(self, static: Any, where: Any) -> Any:
+        """A ``where=`` pytree whose part for each module may be a plain nested dict, read as
+        that module's ``nnx.State``; a mask that stops above the modules is left as given."""
+        spec, modules, _ = static
+        try:
+            parts = spec.flatten_up_to(where)
+        except (ValueError, TypeError):
+            return where
+        for index in modules:
+            parts[index] = _as_state(parts[index])
+        return unflatten(spec, parts)
 
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Flax NNX modules"

@@ -365,16 +365,17 @@ class Problem:
         if where is None:
             return None
         label = f"activity.{self.op_name}: {self.label(position)} (Active with where=)"
+        predicate = is_predicate(where)
         adapter = adapter_for(value)
         if adapter is None:
             leaves, spec = flatten(value)
             tree, trainable = value, len(leaves)
         else:
-            _, params, rest = adapter.split(value)
+            static, params, rest = adapter.split(value)
             tree, trainable = params, len(flatten(params)[0])
             leaves, spec = flatten((params, rest))
+            where = where if predicate else adapter.mask(static, where)
         in_tree = not spec.is_leaf()
-        predicate = is_predicate(where)
         candidate = [
             arrays.is_torch_module(leaf)
             or _differentiable(leaf, index, trainable, in_tree)
@@ -978,7 +979,7 @@ def _broadcast_mask(where: Any, tree: Any, value: Any, label: str) -> list[Any]:
     except (ValueError, TypeError):
         raise TypeError(
             f"{label}: the mask does not have a prefix of the value's structure: "
-            f"{structure_difference(flatten(where)[1], tree) if flatten(where)[1].num_leaves else 'it is empty'}. "
+            f"{structure_difference(flatten(where)[1], tree, prefix=True) if flatten(where)[1].num_leaves else 'it is empty'}. "
             f"Give one bool per part (a dict of bools for a dict, ...), or a callable where(path, leaf)."
         ) from None
     marks: list[Any] = []

@@ -438,13 +438,22 @@ def _codify(accessor: Any) -> str:
     return "".join(parts)
 
 
-def structure_difference(expected: optree.PyTreeSpec, tree: Any) -> str:
+def structure_difference(expected: optree.PyTreeSpec, tree: Any, prefix: bool = False) -> str:
     """Where ``tree`` differs from the structure ``expected``, in one line (for messages):
-    the first leaf path one has and the other lacks, or the first node of another type."""
+    the first leaf path one has and the other lacks, or the first node of another type.
+    With ``prefix``, ``expected`` is a prefix of the structure (a mask): a leaf of it
+    stands for every leaf of ``tree`` below it."""
     want = leaf_paths(unflatten(expected, list(range(expected.num_leaves))))
     got = leaf_paths(tree)
-    missing = [path for path in want if path not in set(got)]
-    extra = [path for path in got if path not in set(want)]
+    if prefix:
+        def below(path: str, top: str) -> bool:
+            return path == top or (path.startswith(top) and path[len(top)] in "[.")
+
+        missing = [top for top in want if not any(below(path, top) for path in got)]
+        extra = [path for path in got if not any(below(path, top) for top in want)]
+    else:
+        missing = [path for path in want if path not in set(got)]
+        extra = [path for path in got if path not in set(want)]
     parts = []
     if missing:
         parts.append(f"missing {missing[0] or 'the root'}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))

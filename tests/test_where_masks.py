@@ -349,6 +349,38 @@ def test_only_the_kernels_of_an_nnx_module(assert_tree_close):
     assert_tree_close(got["second"]["kernel"].get_value(), expected["second"]["kernel"].get_value(), rtol=1e-6, atol=1e-6)
 
 
+def test_a_plain_dict_mask_of_an_nnx_module_reads_as_its_state(assert_tree_close):
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.body = nnx.Linear(3, 4, rngs=rngs)
+            self.head = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.body(x)))
+
+    net, x = Net(nnx.Rngs(0)), jnp.ones((5, 3))
+    f = lambda net, x: jnp.sum(net(x) ** 2)  # noqa: E731
+    graph, head, rest = nnx.split(net, nnx.PathContains("head"), ...)
+    expected = jax.grad(lambda h: f(nnx.merge(graph, h, rest), x))(head)["head"]
+    masks = [{"body": False, "head": True}, {"body": {"kernel": False, "bias": False}, "head": {"kernel": True, "bias": True}}]
+    for where in masks:
+        for got in (
+            ad.gradient(f, Active(net, where=where), Constant(x)),
+            ad.prepare(ad.gradient, f, Active(net, where=where), Constant(x))(net, x),
+        ):
+            assert got["body"]["kernel"].get_value() is None and got["body"]["bias"].get_value() is None
+            assert_tree_close(got["head"]["kernel"].get_value(), expected["kernel"].get_value(), rtol=1e-6, atol=1e-6)
+            assert_tree_close(got["head"]["bias"].get_value(), expected["bias"].get_value(), rtol=1e-6, atol=1e-6)
+    # modules inside a pytree: each module's part of the mask may be a plain dict too
+    got = ad.gradient(lambda p, x: f(p["net"], x) * p["scale"], Active({"net": net, "scale": jnp.asarray(2.0)},
+                      where={"net": {"body": False, "head": True}, "scale": False}), Constant(x))
+    assert got["scale"] is None and got["net"]["body"]["kernel"].get_value() is None
+    assert_tree_close(got["net"]["head"]["kernel"].get_value(), 2 * expected["kernel"].get_value(), rtol=1e-6, atol=1e-6)
+    # a wrong key still names what differs
+    with pytest.raises(TypeError, match=r"missing \['tail'\]; unexpected \['head'\]\['bias'\].value and 1 more"):
+        ad.gradient(f, Active(net, where={"body": False, "tail": True}), Constant(x))
+
+
 def test_lora_adapters_on_a_frozen_jax_base(assert_tree_close):
     k1, k2, k3 = jax.random.split(KEY, 3)
     params = {
