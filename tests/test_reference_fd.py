@@ -83,6 +83,17 @@ def test_f_computing_in_float32_is_reported():
         ad.gradient(lambda x: (x**2).sum(), Active(x), backend=FD)  # float64 throughout: no warning
 
 
+@pytest.mark.parametrize("op", ["gradient", "hessian"])
+def test_an_unreliable_reference_is_said_once_per_call_not_once_per_direction(op):
+    x = torch.ones(4, dtype=torch.float64)
+    for _ in range(2):  # and again on the next call
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            getattr(ad, op)(lambda x: (x.float() ** 2).sum(), Active(x), backend=FD)
+        categories = [w.category for w in caught]
+        assert ReferencePrecisionWarning in categories and len(categories) == len(set(categories)), categories
+
+
 def test_a_jax_f_computing_in_float32_is_reported():
     """On JAX the reference evaluates f compiled, on the host, in float64: f's own float32 output
     was once converted before the check saw it, and the warning never came."""

@@ -272,8 +272,16 @@ class AutoFiniteDifferences(Backend):
     # -- primitives ------------------------------------------------------------
 
     def jvp(self, F: FlatFunction, xs: Flat, ts: Flat, batched: bool) -> tuple[Flat, Any, Flat]:
-        if batched:
-            return self._loop_jvp(F, xs, ts)
+        # A gradient is a difference per input direction, a Hessian a difference of gradients:
+        # what makes the reference unreliable is said once per operator call, not per direction.
+        token = _WARNED.set(set()) if _WARNED.get() is None else None
+        try:
+            return self._loop_jvp(F, xs, ts) if batched else self._one_jvp(F, xs, ts)
+        finally:
+            if token is not None:
+                _WARNED.reset(token)
+
+    def _one_jvp(self, F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat]:
         xs, ts = _for(F, xs), _for(F, ts)
         ys, aux = F(xs)
         low = _warn_if_unreliable(F, ys, xs)
@@ -381,7 +389,7 @@ class AutoFiniteDifferences(Backend):
             return ys, aux, tuple(arrays.zeros_like(_to_float64(y))[None][:0] for y in ys)
         columns = []
         for b in range(batch):
-            ys, aux, dys = self.jvp(F, xs, tuple(t[b] for t in ts), False)
+            ys, aux, dys = self._one_jvp(F, xs, tuple(t[b] for t in ts))
             columns.append(dys)
         return ys, aux, tuple(arrays.stack([c[j] for c in columns]) for j in range(len(ys)))
 
@@ -552,7 +560,12 @@ def _warn_if_unreliable(F: FlatFunction, ys: Flat, xs: Flat) -> list[str]:
 
 def _warn_unreliable(F: FlatFunction, category: type[ReferenceUnreliableWarning], found: str = "") -> None:
     """Warn that the reference cannot be trusted for ``F``, in the words the testing kit reports
-    (``category.reason``), after what was ``found``."""
+    (``category.reason``), after what was ``found``; once per category in a `jvp` call."""
+    warned = _WARNED.get()
+    if warned is not None:
+        if category in warned:
+            return
+        warned.add(category)
     warnings.warn(
         f"activity.{getattr(F, 'op_name', None) or 'finite differences'} (AutoFiniteDifferences): {found}{category.reason}.",
         category,
@@ -601,6 +614,8 @@ def _for(F: Any, leaves: Flat) -> Flat:
 
 
 # The error estimates of the extrapolations a `_noting_error` derivative ran (None outside one).
+# The warnings said in the outermost `jvp` call under way (None outside one)
+_WARNED: contextvars.ContextVar[set[type[Warning]] | None] = contextvars.ContextVar("_WARNED", default=None)
 _REACHED_ERRORS: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("_REACHED_ERRORS", default=None)
 
 
