@@ -288,7 +288,11 @@ class AutoTorch(Backend):
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         if _inside_functorch():
             return _func_vjp(F, xs, self)
-        leaves = tuple(map(_tape_leaf, xs))
+        # Inputs on the graph of an outer pass of the tape (forward mode made from this pullback,
+        # `_tape_jvp`, inside a derivative of f the tape differentiates again): this pass records
+        # its graph on theirs, else the outer pass sees a derivative cut from them, a zero.
+        outer = any(x.requires_grad for x in xs) and _torch().is_grad_enabled()
+        leaves = tuple(x.view_as(x) for x in xs) if outer else tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
         if not connected:
@@ -302,12 +306,16 @@ class AutoTorch(Backend):
             raise RuntimeError(_ONCE_DIFFERENTIABLE)
 
         def one(cts: Flat) -> Flat:
-            grads = _torch().autograd.grad(outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True)
+            grads = _torch().autograd.grad(
+                outputs, leaves, [cts[i] for i in connected], retain_graph=True, create_graph=outer, allow_unused=True
+            )
             return _zeros_for_unused(grads, xs, getattr(F, "op_name", None), cut_is_an_error(F))
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
                 return one(cts)
+            if outer:  # under vmap a backward marked @once_differentiable loses the mark `_holds_error_node` finds
+                return _loop(one, cts)
             return _batched(one, cts, self, getattr(F, "problem", None), tuple(outputs))
 
         return tuple(y.detach() for y in ys), aux, pull
@@ -349,7 +357,8 @@ class AutoTorch(Backend):
         first = problem is not None and not problem.forward_writes_checked
         if first and sum(x.numel() * x.element_size() for x in xs) > _MOST_COPIED_BYTES:
             first, problem.forward_writes_checked = False, True
-        given = tuple(x.detach().clone() for x in xs) if first else xs
+        # (a clone keeps an input that is on an outer pass's graph there, see `vjp`)
+        given = tuple(x.clone() if x.requires_grad else x.detach().clone() for x in xs) if first else xs
         versions = tuple(map(VERSION, given))
         result = self._jvp_on_the_tape(F, given, ts, batched)
         if first:
