@@ -519,8 +519,11 @@ def _batched(
     if backend.vectorize is not False and not (known is False and not backend.vectorize):
         try:
             batch: Flat = _torch().func.vmap(one, randomness=backend.randomness)(cts)
-        except (RuntimeError, NotImplementedError) as error:
-            if backend.vectorize or not _is_transform_limit(error):
+        except (RuntimeError, NotImplementedError):
+            # Any error of a backward under vmap, not only the ones `_is_transform_limit` knows
+            # (a sparse Constant's backward: "expand is unsupported for Sparse tensors"): the
+            # loop runs the same backward unbatched, so an error of the backward itself comes back.
+            if backend.vectorize:
                 raise
         else:
             if backend.vectorize or known:
