@@ -30,7 +30,7 @@ import math
 import operator
 import threading
 import warnings
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import attrs
 
@@ -79,6 +79,15 @@ _NO_SECOND_ORDER = (
     "with @once_differentiable and no jvp has neither, too). scaled_dot_product_attention's "
     "fused kernels have neither: run f under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or build a Hugging "
     "Face model with attn_implementation='eager'."
+)
+
+# Worded clear of `_TRANSFORM_LIMITS`: no other path can give this second derivative either.
+_ONCE_DIFFERENTIABLE = (
+    "activity (AutoTorch): f calls a custom autograd.Function whose backward is marked @once_differentiable, "
+    "and the gradient flowing into that backward depends on the Active arguments (f is not linear after it), "
+    "so torch cannot take a second-order derivative through it: a double backward leaves that backward's "
+    "part out, and forward over reverse loses its tangent. Write that backward in differentiable torch "
+    "operations, without @once_differentiable, to take hvp, hessian or second_derivative of f."
 )
 
 
@@ -279,7 +288,11 @@ class AutoTorch(Backend):
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         if _inside_functorch():
             return _func_vjp(F, xs, self)
-        leaves = tuple(map(_tape_leaf, xs))
+        # Inputs on the graph of an outer pass of the tape (forward mode made from this pullback,
+        # `_tape_jvp`, inside a derivative of f the tape differentiates again): this pass records
+        # its graph on theirs, else the outer pass sees a derivative cut from them, a zero.
+        outer = any(x.requires_grad for x in xs) and _torch().is_grad_enabled()
+        leaves = tuple(x.view_as(x) for x in xs) if outer else tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
         if not connected:
@@ -287,14 +300,22 @@ class AutoTorch(Backend):
                 raise _disconnected(getattr(F, "op_name", None))
             return tuple(y.detach() for y in ys), aux, _zero_pull(xs)
         outputs = [ys[i] for i in connected]
+        if not cut_is_an_error(F) and _holds_error_node(outputs):
+            # A derivative of f through a backward marked @once_differentiable: this pullback
+            # would leave that backward's part out (see `_gradient_with_graph`).
+            raise RuntimeError(_ONCE_DIFFERENTIABLE)
 
         def one(cts: Flat) -> Flat:
-            grads = _torch().autograd.grad(outputs, leaves, [cts[i] for i in connected], retain_graph=True, allow_unused=True)
+            grads = _torch().autograd.grad(
+                outputs, leaves, [cts[i] for i in connected], retain_graph=True, create_graph=outer, allow_unused=True
+            )
             return _zeros_for_unused(grads, xs, getattr(F, "op_name", None), cut_is_an_error(F))
 
         def pull(cts: Flat, batched: bool) -> Flat:
             if not batched:
                 return one(cts)
+            if outer:  # under vmap a backward marked @once_differentiable loses the mark `_holds_error_node` finds
+                return _loop(one, cts)
             return _batched(one, cts, self, getattr(F, "problem", None), tuple(outputs))
 
         return tuple(y.detach() for y in ys), aux, pull
@@ -336,7 +357,8 @@ class AutoTorch(Backend):
         first = problem is not None and not problem.forward_writes_checked
         if first and sum(x.numel() * x.element_size() for x in xs) > _MOST_COPIED_BYTES:
             first, problem.forward_writes_checked = False, True
-        given = tuple(x.detach().clone() for x in xs) if first else xs
+        # (a clone keeps an input that is on an outer pass's graph there, see `vjp`)
+        given = tuple(x.clone() if x.requires_grad else x.detach().clone() for x in xs) if first else xs
         versions = tuple(map(VERSION, given))
         result = self._jvp_on_the_tape(F, given, ts, batched)
         if first:
@@ -497,8 +519,11 @@ def _batched(
     if backend.vectorize is not False and not (known is False and not backend.vectorize):
         try:
             batch: Flat = _torch().func.vmap(one, randomness=backend.randomness)(cts)
-        except (RuntimeError, NotImplementedError) as error:
-            if backend.vectorize or not _is_transform_limit(error):
+        except (RuntimeError, NotImplementedError):
+            # Any error of a backward under vmap, not only the ones `_is_transform_limit` knows
+            # (a sparse Constant's backward: "expand is unsupported for Sparse tensors"): the
+            # loop runs the same backward unbatched, so an error of the backward itself comes back.
+            if backend.vectorize:
                 raise
         else:
             if backend.vectorize or known:
@@ -983,6 +1008,13 @@ def _gradient_with_graph(y: Any, leaves: Flat, xs: Flat, op_name: str | None, cu
         raise _disconnected(op_name)
     grads = _zeros_for_unused(_backward((y,), (_torch().ones_like(y),), leaves, create_graph=True), xs, op_name)
     live = [i for i, g in enumerate(grads) if g.requires_grad]
+    if live and _holds_error_node([grads[i] for i in live]):
+        # A custom backward marked @once_differentiable gave its part of these gradients behind
+        # a node that raises only if run, and that torch's second pass never runs: it is cut
+        # from the leaves, so the pass would silently leave that part out (a wrong, not a zero,
+        # second derivative). Forward over reverse is no way out: there the mark detaches that
+        # part, dropping its tangent. Not a transform limit, so no other path is tried.
+        raise RuntimeError(_ONCE_DIFFERENTIABLE)
     if not cut_is_zero and len(live) < len(grads) and any(arrays.size(xs[i]) for i in range(len(xs)) if i not in live):
         # torch's own backward formulas record their graph: a gradient without one does not
         # depend on the leaf (f is linear in it), a zero second derivative. A custom Function's
@@ -990,6 +1022,23 @@ def _gradient_with_graph(y: Any, leaves: Flat, xs: Flat, op_name: str | None, cu
         if not all(map(_built_in_node, _graph_operations((y,)))):
             raise _CutGradient("a gradient came back without a graph for a differentiated leaf")
     return grads, live
+
+
+def _holds_error_node(outputs: Sequence[Any]) -> bool:
+    """Whether the graph of ``outputs`` holds the node by which ``@once_differentiable`` marks
+    a backward that cannot be differentiated (one walk, each node once, stopping there)."""
+    error_node = getattr(_torch()._C._functions, "Error", None)
+    seen: set[int] = set()
+    stack = [y.grad_fn for y in outputs if y.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        if type(node) is error_node:
+            return True
+        seen.add(id(node))
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return False
 
 
 def _owned(result: Any) -> Any:

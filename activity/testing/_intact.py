@@ -31,6 +31,17 @@ def _copy(leaf: Any) -> Any:
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """``torch.equal``, which has no kernel for sparse layouts: those compare in dense form."""
+    import torch
+
+    if a.layout != b.layout:
+        return False
+    if a.layout != torch.strided:
+        return torch.equal(a.to_dense(), b.to_dense())
+    return torch.equal(a, b)
+
+
 def _same(before: Any, leaf: Any) -> bool:
     now = _copy(leaf)
     kind = before[0]
@@ -39,18 +50,14 @@ def _same(before: Any, leaf: Any) -> bool:
     if kind == "array":
         return before[1].dtype == now[1].dtype and np.array_equal(before[1], now[1], equal_nan=True)
     if kind == "tensor":
-        import torch
-
         same_grad = (before[3] is None and now[3] is None) or (
-            before[3] is not None and now[3] is not None and torch.equal(before[3], now[3])
+            before[3] is not None and now[3] is not None and _equal(before[3], now[3])
         )
-        return torch.equal(before[1], now[1]) and before[2] == now[2] and same_grad
+        return _equal(before[1], now[1]) and before[2] == now[2] and same_grad
     if kind == "module":
-        import torch
-
         if before[1].keys() != now[1].keys() or before[3] != now[3] or before[4] != now[4]:  # [4]: hooks added or removed
             return False
-        if not all(torch.equal(before[1][k], now[1][k]) for k in before[1]):
+        if not all(_equal(before[1][k], now[1][k]) for k in before[1]):
             return False
         return [(r, g is None) for r, g in before[2]] == [(r, g is None) for r, g in now[2]]
     return True
