@@ -999,16 +999,20 @@ def _scalar_output(problem: Any, out: Any, tensor_type: Any) -> tuple[Any, Any]:
     return y, spec
 
 
-def _gradient_with_graph(y: Any, leaves: Flat, xs: Flat, op_name: str | None, cut_is_zero: bool) -> tuple[Flat, list[int]]:
+def _gradient_with_graph(
+    y: Any, leaves: Flat, xs: Flat, op_name: str | None, cut_is_zero: bool, look_for_once_differentiable: bool = True
+) -> tuple[Flat, list[int]]:
     """The first pass of reverse over reverse: the gradients of the scalar ``y``, recording their
     own graph, and the leaves whose gradient has one. A gradient without a graph is a zero
     derivative only where ``cut_is_zero`` (``hvp_mode="reverse-over-reverse"``): else it raises
-    `_CutGradient`, for forward over reverse to decide."""
+    `_CutGradient`, for forward over reverse to decide. ``look_for_once_differentiable``: walk
+    the gradients' graph for a backward that cannot be differentiated (a prepared call looks on
+    its first call only: the walk visits every node of the graph)."""
     if not y.requires_grad:
         raise _disconnected(op_name)
     grads = _zeros_for_unused(_backward((y,), (_torch().ones_like(y),), leaves, create_graph=True), xs, op_name)
     live = [i for i, g in enumerate(grads) if g.requires_grad]
-    if live and _holds_error_node([grads[i] for i in live]):
+    if look_for_once_differentiable and live and _holds_error_node([grads[i] for i in live]):
         # A custom backward marked @once_differentiable gave its part of these gradients behind
         # a node that raises only if run, and that torch's second pass never runs: it is cut
         # from the leaves, so the pass would silently leave that part out (a wrong, not a zero,
@@ -1248,9 +1252,14 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
     fallback = _checked_pipeline(plan) if backend.hvp_mode == "auto" else None
     cut_is_zero = fallback is None  # explicit reverse-over-reverse (see `_gradient_with_graph`)
     forward_over_reverse: list[Callable[..., Any]] = []  # where the tape's gradients came back cut
+    # Whether a call has found no @once_differentiable backward in f's gradient: the same f takes
+    # the same operations call after call (as `forward_over_reverse` assumes), and the walk that
+    # finds one costs about a microsecond per graph node, a fifth of a small model's call.
+    checked_once = False
     from .._operators._common import encode_seeds  # the operators import the backends
 
     def hvp(*values: Any, **seed_kwargs: Any) -> Any:
+        nonlocal checked_once
         if len(values) != n_args or not _usable():
             raise SignatureChanged
         if forward_over_reverse:
@@ -1271,7 +1280,10 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
         state = _rng_state() if fallback is not None else None
         try:
             out = problem.call(f, args)
-            grads, live = _gradient_with_graph(_scalar_output(problem, out, tensor_type)[0], leaves, xs, op_name, cut_is_zero)
+            grads, live = _gradient_with_graph(
+                _scalar_output(problem, out, tensor_type)[0], leaves, xs, op_name, cut_is_zero, not checked_once
+            )
+            checked_once = True
             hvps: Flat = (None,) * len(xs)
             if live:
                 ts = tuple(backend.as_tangent(seeds.leaves[i], grads[i].dtype) for i in live)
