@@ -227,7 +227,9 @@ def test_a_float32_loss_inside_a_float64_reference_is_reported_not_blamed():
         logits = m(input_ids=ids).logits.float()  # what HF's loss functions do
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), ids.reshape(-1))
 
-    scenario = Scenario("gradient", loss, (Active(model), Constant(ids)), name="gpt2_float_loss")
+    # the final layer norm's 16 parameters: a reference over every parameter takes half a minute
+    final_norm = lambda path, parameter: path.startswith("transformer.ln_f.")  # noqa: E731
+    scenario = Scenario("gradient", loss, (Active(model, where=final_norm), Constant(ids)), name="gpt2_float_loss")
     report = test_differentiation([ad.AutoTorch()], [scenario], prepared=False, raise_on_failure=False)
     (outcome,) = report.outcomes
     assert outcome.status == "reference unreliable", outcome  # without the check: FAIL on every leaf
