@@ -139,6 +139,36 @@ def test_preparation_messages_name_the_nnx_variable_that_changed():
     assert_trees(lenient(last, 2 * x), nnx.grad(loss)(last, 2 * x))
 
 
+def test_an_nnx_param_holding_a_python_float_is_differentiated_as_nnx_grad_does():
+    """``nnx.Param(2.0)`` got None, taken for a static hyper-parameter (a Python float elsewhere
+    in a pytree, or an Equinox float field, is one); ``nnx.grad`` differentiates it."""
+    from flax import nnx
+
+    class Scaled(nnx.Module):
+        def __init__(self, scale):
+            self.scale = nnx.Param(scale)
+            self.weight = nnx.Param(jnp.array([1.0, -0.5, 0.25]))
+            self.calls = nnx.Variable(3)  # an int that is no Param: still not differentiated
+
+        def __call__(self, x):
+            return jnp.sum(jnp.tanh(self.weight[...] * x)) * self.scale.get_value() ** 2
+
+    def loss(model, x):
+        return model(x)
+
+    model, x = Scaled(2.0), normal(19, 3)
+    grads = ad.gradient(loss, Active(model), Constant(x))
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(x))
+    prepared(model, x)
+    again = prepared(Scaled(3.0), x + 1)
+    in_a_dict = ad.gradient(lambda d, x: loss(d["model"], x) * d["weight"], Active({"model": model, "weight": 0.5}), Constant(x))
+    assert type(model.scale.get_value()) is float and model.scale.get_value() == 2.0  # (nnx.grad leaves a jax TypedFloat there)
+    assert_trees(grads, nnx.grad(loss)(nnx.clone(model), x))
+    assert_trees(again, nnx.grad(loss)(Scaled(3.0), x + 1))
+    assert in_a_dict["weight"] is None  # a Python float outside the module stays a hyper-parameter
+    assert_trees(in_a_dict["model"], nnx.grad(lambda m, x: loss(m, x) * 0.5)(nnx.clone(model), x))
+
+
 # ------------------------------------------------------------------------ Flax and sparse
 
 
