@@ -1,10 +1,9 @@
 """AutoJAX on third-party JAX models and inputs earlier rounds did not cover (round 6): Flax
 ``struct`` dataclasses, ``jax.experimental.sparse`` BCOO arrays, complex values an NNX module or
-a ``where=`` keeps constant, NNX variables named in preparation messages, ``nnx.bridge``,
-``nnx.Param`` metadata and an ``nnx.Optimizer`` as Constant; Equinox attention masks,
-``filter_vmap`` ensembles, converters, abstract bases, ``filter_checkpoint``; optax
-hypergradients, loops with a traced trip count, ``jnp.linalg`` and float16 with a float32
-master copy.
+a ``where=`` keeps constant, an ``nnx.Param`` holding a Python float, NNX variables named in
+preparation messages, ``nnx.bridge``, ``nnx.Param`` metadata and an ``nnx.Optimizer`` as
+Constant; Equinox ``filter_vmap`` ensembles, converters, abstract bases, ``filter_checkpoint``;
+an optax learning-rate hypergradient and loops with a traced trip count.
 
 Every expected value comes from the model library's own differentiation (``nnx.grad``,
 ``eqx.filter_grad``, ``jax.grad`` / ``jax.jvp``), never from ``activity``; NNX models' state is
@@ -27,9 +26,6 @@ import activity as ad
 from activity import Active, Constant
 
 from _sweeps import assert_trees, normal
-
-LOOSE = dict(rtol=1e-4, atol=1e-5)
-
 
 def nnx_snapshot(module):
     """The values of ``module``'s variables, typed PRNG keys as their raw data (numpy cannot copy a key)."""
@@ -74,9 +70,8 @@ def test_an_nnx_module_with_a_complex_non_param_variable_is_differentiated_in_it
 
     model, x, new_x = rope_net(), normal(1, 3, 4), normal(2, 3, 4)
     before = nnx_snapshot(model)
-    assert_trees(ad.gradient(rope_loss, Active(model), Constant(x)), nnx.grad(rope_loss)(model, x))
     prepared = ad.prepare(ad.gradient, rope_loss, Active(model), Constant(x))
-    prepared(model, x)
+    assert_trees(prepared(model, x), nnx.grad(rope_loss)(model, x))
     assert_trees(prepared(model, new_x), nnx.grad(rope_loss)(model, new_x))
     reference = ad.gradient(rope_loss, Active(model), Constant(x), backend=ad.AutoFiniteDifferences())
     assert_trees(reference, nnx.grad(rope_loss)(model, x), rtol=1e-3, atol=1e-4)
@@ -109,7 +104,7 @@ def test_a_complex_leaf_left_out_by_where_is_a_constant_and_refused_where_select
             ad.gradient(phased_loss, Active(model, where=selecting), Constant(x))
 
 
-def test_preparation_messages_name_the_nnx_variable_that_changed():
+def test_preparation_messages_name_the_nnx_variable_that_changed(monkeypatch):
     """An NNX module's leaves are kept parameters first: the messages named the leaf at the
     same index in the module's own order (``.linear.kernel.value``), or "a leaf inside it"."""
     from flax import nnx
@@ -129,13 +124,14 @@ def test_preparation_messages_name_the_nnx_variable_that_changed():
     prepared = ad.prepare(ad.gradient, loss, Active(Net(3)), Constant(x))
     with pytest.raises(ad.PreparationMismatchError, match=r"at \.bias_table\.value: expected .* shape \(3, 4\)"):
         prepared(Net(5), x)
+    monkeypatch.setattr("activity._preparation.WARN_AFTER", 1)  # warn at the second new signature
     lenient = ad.prepare(ad.gradient, loss, Active(Net(3)), Constant(x), strict=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for rows in range(4, 13):
+        for rows in (4, 5):
             lenient(Net(rows), x)
-    assert any("at .bias_table.value: shape (11, 4) -> (12, 4)" in str(w.message) for w in caught), caught
-    last = Net(12)
+    assert any("at .bias_table.value: shape (4, 4) -> (5, 4)" in str(w.message) for w in caught), caught
+    last = Net(5)
     assert_trees(lenient(last, 2 * x), nnx.grad(loss)(last, 2 * x))
 
 
@@ -206,15 +202,16 @@ def test_a_bcoo_sparse_matrix_as_constant_and_as_active_like_eqx_filter_grad():
     matrix = sparse.BCOO.fromdense(jnp.array([[1.0, 0, 2], [0, 3, 0]]))
     other = sparse.BCOO.fromdense(jnp.array([[0.0, 1, 2], [0, 0, 5]]))  # the same number of entries
     v = jnp.array([1.0, 2.0, 3.0])
-    assert_trees(ad.gradient(loss, Active(v), Constant(matrix)), jax.grad(loss)(v, matrix))
+    expected = jax.jit(jax.grad(loss))
+    assert_trees(ad.gradient(loss, Active(v), Constant(matrix)), expected(v, matrix))
     prepared = ad.prepare(ad.gradient, loss, Active(v), Constant(matrix))
     prepared(v, matrix)
-    assert_trees(prepared(2 * v, other), jax.grad(loss)(2 * v, other))
+    assert_trees(prepared(2 * v, other), expected(2 * v, other))
     # Active: its float data differentiated, its int indices None, as eqx.filter_grad does
     grads = ad.gradient(lambda m, v: loss(v, m), Active(matrix), Constant(v))
-    expected = sparse.grad(lambda m, v: loss(v, m))(matrix, v)
+    dense = jax.jit(jax.grad(lambda m, v: loss(v, m)))(matrix.todense(), v)
     assert grads.indices is None
-    np.testing.assert_allclose(grads.data, expected.data, rtol=1e-6)
+    np.testing.assert_allclose(grads.data, dense[tuple(matrix.indices.T)], rtol=1e-6)
 
 
 def test_nnx_bridge_param_metadata_and_an_optimizer_as_constant():
@@ -260,7 +257,7 @@ def test_nnx_bridge_param_metadata_and_an_optimizer_as_constant():
 
 
 def test_an_equinox_ensemble_made_by_filter_vmap_and_an_abstract_base_with_converters():
-    ensemble = eqx.filter_vmap(lambda key: eqx.nn.MLP(3, 1, 4, 1, key=key))(jax.random.split(jax.random.key(1), 2))
+    ensemble = eqx.filter_vmap(lambda key: eqx.nn.Linear(3, 2, key=key))(jax.random.split(jax.random.key(1), 3))
     x = normal(10, 5, 3)
 
     def spread(models, x):
@@ -330,37 +327,3 @@ def test_a_loop_with_a_traced_trip_count_forward_right_reverse_a_clear_error():
     # a Python int is static: reverse mode then unrolls a scan, as jax.grad does
     expected = jax.grad(lambda x: jnp.sum(repeated(x, 4)))(x)
     assert_trees(ad.gradient(lambda x, n: jnp.sum(repeated(x, n)), Active(x), Constant(4)), expected)
-
-
-def test_jnp_linalg_eigh_svd_solve_cholesky_gradients():
-    a = normal(15, 4, 4)
-    rhs = jnp.arange(4.0)
-
-    def loss(m):
-        spd = m @ m.T + 4 * jnp.eye(4)
-        return (
-            jnp.sum(jnp.linalg.eigh(spd)[0] ** 3) / 100
-            + jnp.sum(jnp.linalg.svd(m, compute_uv=False) ** 2 * jnp.arange(4.0))
-            + jnp.sum(jnp.linalg.solve(spd, rhs) ** 2)
-            + jnp.sum(jnp.linalg.cholesky(spd))
-        )
-
-    assert_trees(ad.gradient(loss, Active(a)), jax.grad(loss)(a), **LOOSE)
-
-
-def test_float16_compute_from_a_float32_master_copy_with_loss_scaling():
-    master = {"hidden": normal(16, 3, 8), "out": normal(17, 8)}
-    x = normal(18, 4, 3)
-
-    def scaled_loss(params, x):
-        half = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
-        out = jnp.tanh(x.astype(jnp.float16) @ half["hidden"]) @ half["out"]
-        return jnp.mean(out.astype(jnp.float32) ** 2) * 1024.0
-
-    prepared = ad.prepare(ad.value_and_gradient, scaled_loss, Active(master), Constant(x))
-    prepared(master, x)
-    value, grads = prepared(master, 2 * x)
-    expected_value, expected = jax.jit(jax.value_and_grad(scaled_loss))(master, 2 * x)  # XLA rounds float16 as when compiled
-    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(grads))
-    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
-    assert_trees(grads, expected, rtol=1e-5, atol=1e-5)
