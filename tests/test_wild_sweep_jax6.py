@@ -322,8 +322,16 @@ def test_a_loop_with_a_traced_trip_count_forward_right_reverse_a_clear_error():
     expected = jax.jvp(lambda x: repeated(x, 5), (x,), (tangent,))[1]
     assert_trees(pushforward(x, jnp.array(5), tangent=tangent), expected)
     gradient = ad.prepare(ad.gradient, lambda x, n: jnp.sum(repeated(x, n)), Active(x), Constant(jnp.array(3)))
-    with pytest.raises(ValueError, match="Reverse-mode differentiation does not work for lax.while_loop"):
+    with pytest.raises(ValueError, match="Reverse-mode differentiation does not work for lax.while_loop") as refused:
         gradient(x, jnp.array(3))
+    # JAX refuses after f has run: the note says which operator, and what works instead
+    (note,) = [note for note in getattr(refused.value, "__notes__", []) if "activity." in note]
+    assert note.startswith("(raised by JAX when activity.gradient on AutoJAX() differentiated f in reverse mode)")
+    assert "activity.pushforward" in note and "Python int, Constant(n), is static" in note
+    hvp = ad.prepare(ad.hvp, lambda x, n: jnp.sum(repeated(x, n)), Active(x), Constant(jnp.array(3)), tangent=tangent)
+    with pytest.raises(ValueError, match="while_loop") as refused:
+        hvp(x, jnp.array(3), tangent=tangent)
+    assert sum("activity.hvp on AutoJAX()" in note for note in refused.value.__notes__) == 1
     # a Python int is static: reverse mode then unrolls a scan, as jax.grad does
     expected = jax.grad(lambda x: jnp.sum(repeated(x, 4)))(x)
     assert_trees(ad.gradient(lambda x, n: jnp.sum(repeated(x, n)), Active(x), Constant(4)), expected)
