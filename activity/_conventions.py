@@ -38,6 +38,18 @@ def is_python_number(leaf: Any) -> bool:
     return isinstance(leaf, (float, int)) and not isinstance(leaf, np.generic)
 
 
+def _floats_as_arrays(params: Any) -> Any:
+    """An NNX module's ``nnx.Param`` state with each Python float value as a JAX array. A Param
+    holding a float (``nnx.Param(2.0)``) is a parameter: ``nnx.grad`` differentiates it, as
+    ``jax.grad`` does a float argument. Left a float, it would be taken for a static
+    hyper-parameter, which is what a Python number is elsewhere in a pytree."""
+    jax = sys.modules["jax"]
+    if not any(isinstance(leaf, float) and is_python_number(leaf) for leaf in jax.tree_util.tree_leaves(params)):
+        return params
+    as_array = jax.numpy.asarray
+    return jax.tree_util.tree_map(lambda leaf: as_array(leaf) if isinstance(leaf, float) and is_python_number(leaf) else leaf, params)
+
+
 @attrs.frozen(eq=False)
 class NNXModule:
     """Flax NNX: a module split into its graph (static), its ``nnx.Param`` state
@@ -48,7 +60,7 @@ class NNXModule:
     def split(self, module: Any) -> tuple[Any, Any, Any]:
         nnx = sys.modules["flax.nnx"]
         graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-        return graphdef, params, rest
+        return graphdef, _floats_as_arrays(params), rest
 
     def merge(self, graphdef: Any, params: Any, rest: Any) -> Any:
         return sys.modules["flax.nnx"].merge(graphdef, params, rest)
@@ -112,6 +124,7 @@ class NNXModulesInPytree:
         leaves, spec = flatten(value, is_leaf=_is_nnx_module)
         where = tuple(index for index, leaf in enumerate(leaves) if _is_nnx_module(leaf))
         graphdef, params, rest = nnx.split([leaves[index] for index in where], nnx.Param, ...)
+        params = _floats_as_arrays(params)
         # a module whose variables all belong to an earlier one has no entry in the joint state
         for number, index in enumerate(where):
             leaves[index] = params[number] if number in params else nnx.State({})

@@ -29,7 +29,7 @@ from ._problem import (
     parse_call,
     wheres_of,
 )
-from ._tree import flatten, leaf_paths
+from ._tree import flatten
 from .backends import Backend, find_placeholder, placeholders_allowed
 from .backends._base import SignatureChanged
 
@@ -391,12 +391,8 @@ def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...], values: tuple[
 
 
 def leaf_path(problem: Any, values: tuple[Any, ...], position: int, index: int) -> str:
-    """The path of a leaf of the signature, for messages (an argument a model library splits
-    itself, a Flax NNX module, has leaves in its own order: no path then)."""
-    if position in getattr(problem, "adapted", {}):
-        return "a leaf inside it"
-    paths = leaf_paths(values[position])
-    return (paths[index] if index < len(paths) else "") or "(the argument itself)"
+    """The path of a leaf of the signature, for messages."""
+    return problem.leaf_path(position, values[position], index)  # type: ignore[no-any-return]
 
 
 def _meta_change(before: tuple[Any, ...], after: tuple[Any, ...]) -> str:

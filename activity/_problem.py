@@ -379,6 +379,7 @@ class Problem:
         candidate = [
             arrays.is_torch_module(leaf)
             or _differentiable(leaf, index, trainable, in_tree)
+            or _complex_parameter(leaf, index, trainable, in_tree)  # asked too: selected, it is refused
             for index, leaf in enumerate(leaves)
         ]
         paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
@@ -428,16 +429,22 @@ class Problem:
         paths = None
         in_tree = not spec.is_leaf()
         for index, leaf in enumerate(leaves):
-            dkind = arrays.dtype_kind(leaf)
-            if dkind == "c" and kind != "constant":
-                paths = paths or leaf_paths(value)
+            # A complex leaf is refused where it would be differentiated: not where the model
+            # library's convention (an NNX Variable that is no Param) or a where= leaves it constant.
+            if arrays.dtype_kind(leaf) == "c" and (
+                kind == "cache"
+                or kind == "active"
+                and _complex_parameter(leaf, index, trainable, in_tree)
+                and (selection is None or bool(selection[index]))
+            ):
+                paths = paths or _paths_in_order(value, leaves, position in self.adapted)
                 raise UnsupportedError(
                     f"activity.{self.op_name} on {self.backend!r}: {self.label(position)} ({kind}) holds a complex "
                     f"value at {paths[index] or 'its root'}; complex differentiation is not supported. "
                     f"Split it into real and imaginary parts."
                 )
             if isinstance(leaf, Annotation):
-                paths = paths or leaf_paths(value)
+                paths = paths or _paths_in_order(value, leaves, position in self.adapted)
                 raise TypeError(
                     f"activity.{self.op_name}: {self.label(position)} ({kind.capitalize()}) holds a "
                     f"{type(leaf).__name__}(...) at {paths[index] or 'its root'}; annotations do not nest. "
@@ -476,7 +483,7 @@ class Problem:
                 meta = self.backend.array_meta(leaf)
             elif kind == "cache":
                 if not arrays.is_array(leaf):
-                    paths = paths or leaf_paths(value)
+                    paths = paths or _paths_in_order(value, leaves, position in self.adapted)
                     raise TypeError(
                         f"activity.{self.op_name}: {self.label(position)} is a Cache holding "
                         f"{describe_type(leaf)} at {paths[index] or 'its root'}. A Cache holds arrays "
@@ -667,7 +674,7 @@ class Problem:
                 return f"{self.label(position)}: pytree structure changed: {_difference(expected[1], value)}."
             for index, (meta_e, meta_a) in enumerate(zip(expected[2], actual[2])):
                 if not _same_meta(meta_e, meta_a):
-                    path = leaf_paths(value)[index] or "(the argument itself)"
+                    path = self.leaf_path(position, value, index)
                     if meta_e[0] == meta_a[0] == "module" and meta_e[1] == meta_a[1]:
                         module = flatten(value)[0][index]
                         return (
@@ -679,6 +686,13 @@ class Problem:
                         f"{_static_number_hint(meta_e, meta_a)}{_static_identity_hint(meta_e, meta_a)}"
                     )
         return None
+
+    def leaf_path(self, position: int, value: Any, index: int) -> str:
+        """The path, for messages, of the leaf ``index`` of the signature in ``value``, an argument
+        at ``position`` (the leaves of an NNX module are named where they sit in it)."""
+        leaves = self._adapted_leaves(position, value, False)[0] if position in self.adapted else None
+        paths = leaf_paths(value) if leaves is None else _paths_in_order(value, leaves, True)
+        return (paths[index] if index < len(paths) else "") or "(the argument itself)"
 
     def _adapted_leaves(self, position: int, value: Any, check: bool) -> tuple[list[Any] | None, Any]:
         """The leaves of an argument a model library splits itself (see `_conventions`); None
@@ -1036,6 +1050,27 @@ def _static_identity_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) ->
         f" An object of type {type(actual[1]).__name__} compares by identity, so a new one never matches the prepared one: "
         f"pass only the arrays f needs (for a tokenizer's BatchEncoding, its .data dict)."
     )
+
+
+def _complex_parameter(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:
+    """Whether an Active argument's leaf is complex where a real one would be differentiated
+    (see `_differentiable`): complex differentiation is not supported, so it is refused."""
+    return arrays.dtype_kind(leaf) == "c" and index < trainable and not (in_tree and is_python_number(leaf))
+
+
+def _paths_in_order(value: Any, leaves: list[Any], adapted: bool) -> list[str]:
+    """The paths of ``leaves``, an argument's leaves in the order the problem keeps them, as
+    messages print them. A model library's split (an NNX module's parameters, then its other
+    variables) orders them otherwise than ``value`` flattens: each is named by where the same
+    array sits in the user's own object."""
+    paths = leaf_paths(value)
+    if not adapted:
+        return paths
+    own: dict[int, str] = {}
+    for leaf, path in zip(flatten(value)[0], paths):
+        own.setdefault(id(leaf), path)
+    split = leaf_paths(leaves)
+    return [own.get(id(leaf), split[index]) for index, leaf in enumerate(leaves)]
 
 
 def _differentiable(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:

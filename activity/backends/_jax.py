@@ -16,7 +16,7 @@ import optree
 
 from .. import _arrays as arrays
 from .._problem import STATIC, array_meta, combine, partition
-from .._errors import caller_stacklevel
+from .._errors import add_note, caller_stacklevel
 from .._imports import optional, require
 from .._tree import NAMESPACE, captured_values, flatten, rebuilder, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
@@ -85,12 +85,20 @@ class AutoJAX(Backend):
 
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
         jax = _jax()
-        ys, pull_one, aux = jax.vjp(F, xs, has_aux=True)
+        try:
+            ys, pull_one, aux = jax.vjp(F, xs, has_aux=True)
+        except ValueError as error:
+            _explain_reverse_loop(error, F)
+            raise
 
         def pull(cts: Flat, batched: bool) -> Flat:
-            if batched:
-                return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
-            return pull_one(cts)[0]  # type: ignore[no-any-return]
+            try:
+                if batched:
+                    return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
+                return pull_one(cts)[0]  # type: ignore[no-any-return]
+            except ValueError as error:
+                _explain_reverse_loop(error, F)
+                raise
 
         return ys, aux, pull
 
@@ -99,7 +107,11 @@ class AutoJAX(Backend):
             ys, aux = F(xs_)
             return ys[0], (ys, aux)
 
-        (_, (ys, aux)), grads = _jax().value_and_grad(scalar, has_aux=True)(xs)
+        try:
+            (_, (ys, aux)), grads = _jax().value_and_grad(scalar, has_aux=True)(xs)
+        except ValueError as error:
+            _explain_reverse_loop(error, F)
+            raise
         return ys, aux, grads
 
     def compile(self, pipeline: Callable[..., Any]) -> Callable[..., Any]:
@@ -444,6 +456,29 @@ def _compile_ahead(plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, An
         jitted.lower(*with_abstract_arrays(inputs, values, seed_kwargs)).compile()
     except Exception:  # noqa: BLE001 - f cannot be traced, say: the first call raises where it is clear
         pass
+
+
+_REVERSE_LOOP = "Reverse-mode differentiation does not work for lax.while_loop"
+
+
+_REVERSE_NOTE = "(raised by JAX when activity."
+
+
+def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
+    """Say, on JAX's refusal to differentiate a loop of unknown length in reverse mode, which
+    operators work and why a prepared call may refuse what an unprepared one took: JAX raises
+    it after f has run, so f's own note is not on it."""
+    notes, problem = getattr(error, "__notes__", []), getattr(F, "problem", None)
+    if _REVERSE_LOOP not in str(error) or problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+        return
+    add_note(
+        error,
+        f"{_REVERSE_NOTE}{problem.op_name} on {problem.backend!r} differentiated f in reverse mode) Forward "
+        f"mode differentiates such a loop: activity.pushforward, activity.derivative, or activity.jacobian of "
+        f"an f with more outputs than inputs. A prepared call traces array Constants (jnp.array(n) too): a "
+        f"trip count passed as a Python int, Constant(n), is static, and fori_loop is then a scan reverse "
+        f"mode can differentiate.",
+    )
 
 
 # ------------------------------------------------------------------ static leaves
