@@ -111,21 +111,22 @@ class Prepared(Generic[R]):
         # it is a loop rather than any(...), and everything else is left to `_call`.
         direct = self._direct
         if direct is not None:
-            for arg in args:
-                if isinstance(arg, Annotation):
-                    break
+            if self._direct_takes_annotations:
+                for arg in args:
+                    if isinstance(arg, Annotation):
+                        return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
+            try:
+                out = direct(*args, **seed_kwargs)
+            except self._direct_misses:
+                pass  # the checked path, outside this handler: its error is not chained to the miss
+            except Exception as error:
+                drop_jax_note(error)
+                raise
             else:
-                try:
-                    out = direct(*args, **seed_kwargs)
-                except self._direct_misses:
-                    pass  # the checked path, outside this handler: its error is not chained to the miss
-                except Exception as error:
-                    drop_jax_note(error)
-                    raise
-                else:
-                    rebuild = self._direct_rebuild
-                    return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
-                return self._reported(self._checked_call, args, seed_kwargs)  # type: ignore[no-any-return]
+                rebuild = self._direct_rebuild
+                return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
+            annotated = any(isinstance(arg, Annotation) for arg in args)  # refused by the direct call
+            return self._reported(self._call if annotated else self._checked_call, args, seed_kwargs)  # type: ignore[no-any-return]
         return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
 
     def _call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
@@ -166,6 +167,7 @@ class Prepared(Generic[R]):
         self._direct = compiled_call.call if direct else None
         self._direct_misses = compiled_call.misses if direct else ()
         self._direct_rebuild = compiled_call.rebuild if direct else None
+        self._direct_takes_annotations = not (direct and compiled_call.refuses_annotations)
 
     def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments followed by the prepared keyword arguments for f, taken out

@@ -244,11 +244,14 @@ class CompiledCall:
     """A prepared call specialised by a backend, and the exceptions by which it declines one.
 
     With ``rebuild``, the call returns the result's leaves, and ``rebuild(leaves)`` is the
-    result (the prepared object calls it, saving a frame per call)."""
+    result (the prepared object calls it, saving a frame per call). ``refuses_annotations``:
+    an annotated argument (``Constant(x)``) is one of its misses (`jax.jit` refuses it as no
+    JAX type), so the prepared object does not look for one before the call."""
 
     call: Callable[..., Any]
     misses: tuple[type[BaseException], ...] = (SignatureChanged,)
     rebuild: Callable[[Any], Any] | None = None
+    refuses_annotations: bool = False
 
     def __call__(self, *values: Any, **seed_kwargs: Any) -> Any:
         out = self.call(*values, **seed_kwargs)

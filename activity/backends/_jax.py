@@ -152,15 +152,15 @@ class AutoJAX(Backend):
             return None
         jitted, output = sealed
         if output.get("structure") is not None:  # the result's arrays leave as a tuple
-            return CompiledCall(jitted, _MISSES, rebuilder(output["structure"]))
+            return CompiledCall(jitted, _MISSES, rebuilder(output["structure"]), refuses_annotations=True)
         if retrace is None and not output["rebuilt"]:  # one signature, whose result JAX returns as built
-            return CompiledCall(jitted, _MISSES)
+            return CompiledCall(jitted, _MISSES, refuses_annotations=True)
 
         def call(*values: Any, **seed_kwargs: Any) -> Any:
             return _rebuilt(jitted(*values, **seed_kwargs))
 
         call.jitted = jitted  # type: ignore[attr-defined]  # for inspection, as `compile`'s
-        return CompiledCall(call, _MISSES)
+        return CompiledCall(call, _MISSES, refuses_annotations=True)
 
 
 _MISSES = (SignatureChanged, TypeError, ValueError)
@@ -271,7 +271,7 @@ def _jit_with_statics(
         return _rebuilt(jitted(dynamic_leaves(values), seed_kwargs))
 
     call.jitted = jitted  # type: ignore[attr-defined]  # for inspection, as `compile`'s
-    return CompiledCall(call, _MISSES)
+    return CompiledCall(call, _MISSES, refuses_annotations=True)
 
 
 def _same_signature(plan: Any) -> Callable[[tuple[Any, ...], dict[Any, Any]], bool]:
