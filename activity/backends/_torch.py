@@ -120,8 +120,10 @@ def _disconnected(op_name: str | None) -> ValueError:
         f"{where} (AutoTorch): f's output does not depend on the Active argument(s) through operations "
         f"torch can differentiate, so torch has no derivative to give. Likely causes inside f: .item(), "
         f".tolist(), .numpy() or torch.tensor(...) on a computed value, .detach(), torch.no_grad(), or "
-        f".requires_grad_(False) on an input. Keep the computation in torch tensors; if f really does not "
-        f"depend on these arguments, mark them Constant(...)."
+        f".requires_grad_(False) on an input, or an activity operator called inside f (its result is off the "
+        f"tape: for a second derivative call activity.hessian, hvp or second_derivative on the inner f, or "
+        f"differentiate the outer one in forward mode, activity.pushforward). Keep the computation in torch "
+        f"tensors; if f really does not depend on these arguments, mark them Constant(...)."
     )
 
 
