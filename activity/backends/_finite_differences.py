@@ -614,9 +614,9 @@ def _for(F: Any, leaves: Flat) -> Flat:
 
 
 # The error estimates of the extrapolations a `_noting_error` derivative ran (None outside one).
-# The warnings said in the outermost `jvp` call under way (None outside one)
-_WARNED: contextvars.ContextVar[set[type[Warning]] | None] = contextvars.ContextVar("_WARNED", default=None)
 _REACHED_ERRORS: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("_REACHED_ERRORS", default=None)
+# The warnings said in the outermost `jvp` call under way (None outside one).
+_WARNED: contextvars.ContextVar[set[type[Warning]] | None] = contextvars.ContextVar("_WARNED", default=None)
 
 
 def _noting_error(derivative: FlatFunction) -> FlatFunction:
