@@ -1055,7 +1055,7 @@ def _static_identity_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) ->
 def _complex_parameter(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:
     """Whether an Active argument's leaf is complex where a real one would be differentiated
     (see `_differentiable`): complex differentiation is not supported, so it is refused."""
-    return arrays.dtype_kind(leaf) == "c" and index < trainable and not (in_tree and is_python_number(leaf))
+    return arrays.dtype_kind(leaf) == "c" and _parameter_place(leaf, index, trainable, in_tree)
 
 
 def _paths_in_order(value: Any, leaves: list[Any], adapted: bool) -> list[str]:
@@ -1079,7 +1079,11 @@ def _differentiable(leaf: Any, index: int, trainable: int, in_tree: bool) -> boo
     not a Python number inside a pytree (a static hyper-parameter, see `_conventions`). The
     signature a prepared call is checked against and the one it is looked up by both use it,
     so a changed hyper-parameter is a new signature, never the prepared value reused."""
-    return arrays.dtype_kind(leaf) == "f" and index < trainable and not (in_tree and is_python_number(leaf))
+    return arrays.dtype_kind(leaf) == "f" and _parameter_place(leaf, index, trainable, in_tree)
+
+
+def _parameter_place(leaf: Any, index: int, trainable: int, in_tree: bool) -> bool:
+    return index < trainable and not (in_tree and is_python_number(leaf))
 
 
 def _same_meta(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> bool:
