@@ -1032,19 +1032,8 @@ def _gradient_with_graph(
 
 def _holds_error_node(outputs: Sequence[Any]) -> bool:
     """Whether the graph of ``outputs`` holds the node by which ``@once_differentiable`` marks
-    a backward that cannot be differentiated (one walk, each node once, stopping there)."""
-    error_node = getattr(_torch()._C._functions, "Error", None)
-    seen: set[int] = set()
-    stack = [y.grad_fn for y in outputs if y.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        if type(node) is error_node:
-            return True
-        seen.add(id(node))
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-    return False
+    a backward that cannot be differentiated."""
+    return getattr(_torch()._C._functions, "Error", None) in _graph_operations(tuple(outputs))
 
 
 def _owned(result: Any) -> Any:
