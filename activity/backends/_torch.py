@@ -527,6 +527,8 @@ def _batched(
             # loop runs the same backward unbatched, so an error of the backward itself comes back.
             if backend.vectorize:
                 raise
+            if operations is not None:
+                verdict.agrees[operations] = False  # type: ignore[union-attr]  # later calls loop straight away
         else:
             if backend.vectorize or known:
                 return batch
