@@ -23,7 +23,7 @@ from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
 from ._conventions import adapter_for, is_python_number
 from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
-from ._tree import LEAF, flatten, leaf_paths, structure_difference, unflatten
+from ._tree import LEAF, flatten, leaf_paths, same_static_value, structure_difference, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
 
@@ -1088,18 +1088,9 @@ def _parameter_place(leaf: Any, index: int, trainable: int, in_tree: bool) -> bo
 
 def _same_meta(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> bool:
     if expected[0] == "static" and actual[0] == "static":
-        # Static values match by type and equality: 2 and 2.0 (or 1 and True) are different
-        # signatures, as f may treat them differently. The same object always matches itself,
-        # so an object changed in place is not seen (see docs/preparation.md).
-        prepared, given = expected[1], actual[1]
-        if prepared is given:
-            return True
-        if type(prepared) is not type(given):
-            return False
-        try:
-            return bool(prepared == given)
-        except Exception:  # noqa: BLE001 - objects whose == is not a bool compare by identity
-            return False
+        # The same object always matches itself, so an object changed in place is not seen
+        # (see docs/preparation.md).
+        return same_static_value(expected[1], actual[1])
     if _any_device(expected):
         return actual[0] == "torch" and expected[1:3] == actual[1:3]
     if expected[0] == "module" and actual[0] == "module" and expected[:2] == actual[:2]:

@@ -72,7 +72,7 @@ class _JaxNode:
             return bool(self.treedef == other.treedef)
         except ValueError:  # an array in the static data: JAX cannot tell
             (type_a, data_a), (type_b, data_b) = self.treedef.node_data(), other.treedef.node_data()
-            return type_a is type_b and _same_static_data(data_a, data_b)
+            return type_a is type_b and same_static_value(data_a, data_b)
 
     def __hash__(self) -> int:
         try:
@@ -84,11 +84,15 @@ class _JaxNode:
         return repr(self.treedef)
 
 
-def _same_static_data(a: Any, b: Any) -> bool:
+def same_static_value(a: Any, b: Any) -> bool:
+    """Whether two static values (a node's aux data, a non-array leaf compiled in) are the same
+    signature: the same object, or of one type and equal (2 and 2.0, 1 and True differ, as f
+    may treat them differently); lists and tuples item by item, arrays elementwise; values
+    whose ``==`` is no bool only by identity."""
     if a is b:
         return True
     if isinstance(a, (list, tuple)) and type(a) is type(b):
-        return len(a) == len(b) and all(map(_same_static_data, a, b))
+        return len(a) == len(b) and all(map(same_static_value, a, b))
     if type(a) is not type(b):
         return False
     try:
@@ -140,10 +144,7 @@ class _Context:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, _Context):
             return NotImplemented
-        try:
-            return self.value is other.value or bool(self.value == other.value)
-        except Exception:  # noqa: BLE001 - a context whose == is not a bool compares by identity
-            return False
+        return same_static_value(self.value, other.value)
 
     def __hash__(self) -> int:
         try:

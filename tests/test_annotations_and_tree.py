@@ -462,3 +462,20 @@ def test_rebuilder_builds_the_structure_with_each_leaf_in_its_place(build):
     assert _layout(rebuild(arrays), first) == _layout(want, [])
     _layout(rebuild(arrays), second)  # each call builds its own containers: a caller may change them
     assert not {id(c) for c in first if isinstance(c, (list, dict))} & {id(c) for c in second if isinstance(c, (list, dict))}
+
+
+def test_static_values_are_the_same_signature_by_type_and_value():
+    """One comparison of static values serves a node's aux data, a torch node's context and a
+    compiled-in leaf: the same type and equal, containers item by item, arrays elementwise."""
+    from activity._tree import same_static_value
+
+    class NoBoolEquality:
+        def __eq__(self, other):
+            return np.array([True, False])
+
+    thing = NoBoolEquality()
+    assert same_static_value("relu", "relu") and same_static_value((1, "a"), (1, "a"))
+    assert not same_static_value(2, 2.0) and not same_static_value(1, True) and not same_static_value((1,), (True,))
+    assert same_static_value([np.arange(3)], [np.arange(3)]) and not same_static_value([np.arange(3)], [np.arange(3) + 1])
+    assert not same_static_value(np.arange(3), np.arange(3).astype(np.float32))
+    assert same_static_value(thing, thing) and not same_static_value(thing, NoBoolEquality())
