@@ -522,3 +522,26 @@ def test_ctc_loss_over_a_linear_projection_and_its_second_order_error():
     with pytest.raises(NotImplementedError, match="neither a forward-mode rule nor a differentiable backward"):
         ad.hvp(loss, Active(model), Constant(features), tangent=tangent)
     assert intact()
+
+
+def test_an_explicit_forward_over_reverse_hvp_of_a_batch_through_dropout_says_which_options_reach_vmaps_randomness():
+    model = initialised(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Dropout(0.3), nn.Linear(4, 1)).double()).train()
+    x, tangents = randn(5, 3), [randn(5, 3, seed=1), randn(5, 3, seed=2)]
+    torch.manual_seed(3)
+    start = torch.get_rng_state()
+    xx = x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(squared(copy.deepcopy(model), xx), xx, create_graph=True)
+    expected = [torch.autograd.grad(g, xx, t, retain_graph=True)[0] for t in tangents]
+    after_one_forward = torch.get_rng_state()
+
+    chosen = ad.AutoTorch(hvp_mode="forward-over-reverse")
+    with pytest.raises(RuntimeError, match="randomness") as raised:
+        ad.hvp(squared, Constant(model), Active(x), tangents=tangents, backend=chosen)
+    notes = "\n".join(raised.value.__notes__)
+    assert "hvp_mode='auto'" in notes and "AutoTorch(randomness='same')" in notes
+    # what the note offers: one mask for the batch, the one an eager forward draws
+    for backend in (ad.AutoTorch(), ad.AutoTorch(hvp_mode="forward-over-reverse", randomness="same")):
+        torch.set_rng_state(start)
+        for got, want in zip(ad.hvp(squared, Constant(model), Active(x), tangents=tangents, backend=backend), expected):
+            torch.testing.assert_close(got, want, **SECOND_ORDER)
+        assert torch.equal(torch.get_rng_state(), after_one_forward)
