@@ -160,6 +160,31 @@ def test_input_hvp_of_bert_and_integrated_gradients_as_batched_pullbacks_and_a_j
     assert intact() and fired == []
 
 
+def test_saliency_with_respect_to_embeddings_still_on_the_embedding_tables_graph():
+    """``model.get_input_embeddings()(ids)`` is attached to the table's graph: the derivative is the
+    one with respect to the embeddings alone, and the table gets no ``.grad``."""
+    bert = built(transformers.BertForSequenceClassification, transformers.BertConfig, **BERT)
+    fired = alarm_hooks(bert)
+    logit = CLASSIFIERS["bert"][1]
+    ids = torch.randint(3, 50, (2, 5), generator=generator(0))
+    embeddings = bert.get_input_embeddings()(ids)
+    assert embeddings.grad_fn is not None
+    expected = input_gradient(logit, bert, embeddings.detach())
+    got = ad.gradient(logit, Constant(bert), Active(embeddings))
+    assert not got.requires_grad
+    torch.testing.assert_close(got, expected)
+    prepared = ad.prepare(ad.gradient, logit, Constant(bert), Active(bert.get_input_embeddings()(ids.flip(0))))
+    torch.testing.assert_close(prepared(bert, embeddings), expected)
+
+    def logits(model, e):
+        return model(inputs_embeds=e).logits[:, 1]
+
+    tangent = randn(2, 5, 16, seed=1)
+    _, jvp = torch.autograd.functional.jvp(lambda e: logits(copy.deepcopy(bert), e), embeddings.detach(), tangent)
+    torch.testing.assert_close(ad.pushforward(logits, Constant(bert), Active(embeddings), tangent=tangent), jvp)
+    assert fired == [] and bert.get_input_embeddings().weight.grad is None
+
+
 def test_fgsm_through_a_constant_batchnorm_model_in_train_mode_leaves_its_running_statistics():
     model = initialised(nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3), nn.BatchNorm1d(3, momentum=None)
@@ -283,6 +308,24 @@ class ForwardsUnknownAttributes(nn.Module):
         return torch.tanh(x @ self.weight.T + self.bias)
 
 
+class DefaultsEveryAttribute(nn.Module):
+    """A module whose missing attributes read as None, as a config object's options do: a library
+    probing it with ``getattr(module, name, default)`` gets None, never its default."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = initialised(nn.Linear(3, 4).double(), seed=4)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return None
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
 def materialised_from_meta():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
@@ -292,6 +335,7 @@ def materialised_from_meta():
 CONTAINERS = {
     "property": WeightFromAProperty,
     "getattr": ForwardsUnknownAttributes,
+    "getattr_none": DefaultsEveryAttribute,
     "to_empty": materialised_from_meta,
     "hf_conv1d": lambda: initialised(nn.Sequential(
         transformers.pytorch_utils.Conv1D(4, 3), nn.Tanh(), transformers.pytorch_utils.Conv1D(2, 4)
