@@ -356,6 +356,17 @@ def test_parameters_behind_a_property_a_getattr_override_to_empty_and_hugging_fa
     prepared = ad.prepare(ad.gradient, squared, Active(model), Constant(randn(5, 3, seed=1)))
     prepared(model, randn(5, 3, seed=2))
     assert_close_dicts(prepared(model, x), expected)
+
+    tangent = {n: randn(*p.shape, seed=i) for i, (n, p) in enumerate(trainable(model))}
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    _, jvp = torch.func.jvp(lambda p: torch.func.functional_call(copy.deepcopy(model), p, (x,)), (params,), (tangent,))
+    torch.testing.assert_close(ad.pushforward(lambda m, x: m(x), Active(model), Constant(x), tangent=tangent), jvp)
+    twin = copy.deepcopy(model)
+    names, ps = zip(*trainable(twin))
+    grads = torch.autograd.grad(squared(twin, x), ps, create_graph=True)
+    expected_hvp = dict(zip(names, torch.autograd.grad(grads, ps, [tangent[n] for n in names])))
+    for backend in (ad.AutoTorch(), ad.AutoTorch(hvp_mode="forward-over-reverse")):
+        assert_close_dicts(ad.hvp(squared, Active(model), Constant(x), tangent=tangent, backend=backend), expected_hvp, **SECOND_ORDER)
     assert intact()
 
 
