@@ -600,3 +600,22 @@ def test_an_explicit_forward_over_reverse_hvp_of_a_batch_through_dropout_says_wh
         for got, want in zip(ad.hvp(squared, Constant(model), Active(x), tangents=tangents, backend=backend), expected):
             torch.testing.assert_close(got, want, **SECOND_ORDER)
         assert torch.equal(torch.get_rng_state(), after_one_forward)
+
+
+def test_an_explicit_reverse_over_reverse_hvp_says_auto_would_try_forward_over_reverse_unprepared_and_prepared():
+    model = Bag("mean")
+    weights, tangent = randn(8), {n: randn(*p.shape, seed=i) for i, (n, p) in enumerate(trainable(Bag("mean")))}
+
+    def loss(model, weights):
+        return model(weights).pow(2).sum()
+
+    chosen = ad.AutoTorch(hvp_mode="reverse-over-reverse")
+    prepared = ad.prepare(ad.hvp, loss, Active(model), Constant(weights), backend=chosen, tangent=tangent)
+    for call in (
+        lambda: ad.hvp(loss, Active(model), Constant(weights), backend=chosen, tangent=tangent),
+        lambda: ad.hvp(loss, Active(model), Constant(weights), backend=chosen, tangents=[tangent, tangent]),
+        lambda: prepared(model, weights, tangent=tangent),
+    ):
+        with pytest.raises(NotImplementedError, match="_embedding_bag_backward") as raised:
+            call()
+        assert any("hvp_mode='auto'" in note and "forward over reverse" in note for note in raised.value.__notes__)

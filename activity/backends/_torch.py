@@ -1307,6 +1307,8 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
                 ts = tuple(backend.as_tangent(seeds.leaves[i], grads[i].dtype) for i in live)
                 hvps = _backward(tuple(grads[i] for i in live), ts, leaves)
         except (RuntimeError, NotImplementedError) as error:
+            if fallback is None and _is_transform_limit(error):  # as in `AutoTorch.value_and_hvp`
+                add_note(error, _ONE_HVP_PATH.format(mode=backend.hvp_mode, other=_HVP_PATHS[_forward_over_reverse]))
             if fallback is None or not _is_transform_limit(error):
                 raise
             torch.set_rng_state(state)
