@@ -81,6 +81,17 @@ _NO_SECOND_ORDER = (
     "Face model with attn_implementation='eager'."
 )
 
+_ONE_HVP_PATH = (
+    "activity (AutoTorch): hvp_mode={mode!r} takes that path only, and torch cannot run f on it; "
+    "AutoTorch() (hvp_mode='auto') falls back to {other} where it fails."
+)
+# Torch's own message names vmap's flags, which the caller does not hold.
+_RANDOM_UNDER_VMAP = (
+    "activity (AutoTorch): f draws random numbers (dropout in train mode?) under the vmap over the batch of "
+    "tangents: AutoTorch(randomness='same') draws one mask for the whole batch, randomness='different' one per "
+    "tangent."
+)
+
 # Worded clear of `_TRANSFORM_LIMITS`: no other path can give this second derivative either.
 _ONCE_DIFFERENTIABLE = (
     "activity (AutoTorch): f calls a custom autograd.Function whose backward is marked @once_differentiable, "
@@ -404,6 +415,11 @@ class AutoTorch(Backend):
         try:
             return first(self, F, xs, ts, batched)
         except (RuntimeError, NotImplementedError) as error:
+            if second is None and _is_transform_limit(error):  # the one path the caller chose
+                other = _tape_hvp if first is _forward_over_reverse else _forward_over_reverse
+                add_note(error, _ONE_HVP_PATH.format(mode=mode, other=_HVP_PATHS[other]))
+                if "randomness" in str(error):
+                    add_note(error, _RANDOM_UNDER_VMAP)
             if second is None or not _is_transform_limit(error):
                 raise
             _torch().set_rng_state(state)
@@ -1282,6 +1298,8 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
                 ts = tuple(backend.as_tangent(seeds.leaves[i], grads[i].dtype) for i in live)
                 hvps = _backward(tuple(grads[i] for i in live), ts, leaves)
         except (RuntimeError, NotImplementedError) as error:
+            if fallback is None and _is_transform_limit(error):  # as in `AutoTorch.value_and_hvp`
+                add_note(error, _ONE_HVP_PATH.format(mode=backend.hvp_mode, other=_HVP_PATHS[_forward_over_reverse]))
             if fallback is None or not _is_transform_limit(error):
                 raise
             torch.set_rng_state(state)
