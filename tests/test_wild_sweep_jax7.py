@@ -1,0 +1,278 @@
+"""AutoJAX on derivatives with respect to inputs and implicit ones (round 7): saliency of NNX,
+Linen and Equinox models passed as Constants (BatchNorm in train mode, Dropout with rngs, Linen
+``mutable=["batch_stats"]`` as aux), batched tangents along input directions; implicit and
+adjoint differentiation (``lax.custom_root``, ``lax.custom_linear_solve``, ``odeint``, ``cg``);
+a ``jax.custom_vjp`` function under the forward-mode operators; ``jax.debug.callback`` inside f;
+attention masks, pooling, FFTs, ``jax.scipy.special`` and optax losses.
+
+Every expected value comes from ``jax.grad`` / ``jax.jvp`` / ``nnx.grad`` / ``eqx.filter_grad``
+written by hand, never from ``activity``.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental.ode import odeint
+
+import activity as ad
+from activity import Active, Constant
+
+from _sweeps import assert_trees, normal
+
+
+def nnx_snapshot(module):
+    from flax import nnx
+
+    def copied(a):
+        return np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+
+    return jax.tree_util.tree_map(copied, nnx.state(module))
+
+
+def assert_same_state(before, after):
+    assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ------------------------------------------------------------ saliency of models held constant
+
+
+def test_saliency_of_an_nnx_model_in_train_mode_as_constant_leaves_its_batch_stats_and_rng_counts():
+    """BatchNorm in train mode writes its running statistics and Dropout draws from its rngs:
+    as a Constant the user's module keeps both (each call sees the same stats and the same
+    mask), and the input gradient is ``nnx.grad``'s on a clone of the module."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.lin(x)))
+
+    def loss(m, x):
+        return jnp.sum(jnp.tanh(m(x)) ** 2)
+
+    model = Net(nnx.Rngs(0, dropout=1))
+    before = nnx_snapshot(model)
+    x, x2 = normal(1, 5, 3), normal(2, 5, 3)
+
+    def expected(x):
+        return nnx.grad(loss, argnums=1)(nnx.clone(model), x)
+
+    got = ad.gradient(loss, Constant(model), Active(x))
+    assert_trees(got, expected(x))
+    assert_trees(ad.gradient(loss, Constant(model), Active(x)), got)  # the same mask again
+    prepared = ad.prepare(ad.gradient, loss, Constant(model), Active(x))
+    assert_trees(prepared(model, x2), expected(x2))
+    assert_trees(prepared(Constant(model), Active(x)), expected(x))
+    assert_same_state(before, nnx_snapshot(model))
+
+
+def test_saliency_of_a_linen_model_with_its_new_batch_stats_as_aux():
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            x = nn.BatchNorm(use_running_average=not train)(nn.Dense(4)(x))
+            return jnp.tanh(x)
+
+    net = Net()
+    x, x2 = normal(0, 5, 3), normal(1, 5, 3)
+    variables = net.init(jax.random.key(1), x, False)
+    frozen = jax.tree_util.tree_map(np.asarray, variables)
+
+    def loss(x, variables):
+        out, updates = net.apply(variables, x, True, mutable=["batch_stats"])
+        return jnp.sum(out**2), updates
+
+    got, updates = ad.gradient(loss, Active(x), Constant(variables), has_aux=True)
+    want, want_updates = jax.grad(loss, has_aux=True)(x, variables)
+    assert_trees(got, want)
+    assert_trees(updates, want_updates)
+    prepared = ad.prepare(ad.value_and_gradient, loss, Active(x), Constant(variables), has_aux=True)
+    stepped = {"params": variables["params"], "batch_stats": updates["batch_stats"]}
+    for data in (x2, x):
+        assert_trees(prepared(data, stepped), jax.value_and_grad(loss, has_aux=True)(data, stepped))
+    assert_trees(jax.tree_util.tree_map(np.asarray, variables), frozen)
+
+
+def test_integrated_gradients_of_an_equinox_mlp_with_batched_tangents_and_a_path_of_gradients():
+    """Saliency ``d out / d x``, its columns as a batch of tangents, and integrated gradients
+    (the mean gradient along a straight path from a baseline) as a prepared gradient called at
+    each point of the path."""
+    mlp = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(3))
+
+    def out(model, x):
+        return model(x)[0]
+
+    x, baseline = normal(4, 3), jnp.zeros(3)
+    saliency = eqx.filter_grad(lambda x, m: out(m, x))(x, mlp)
+    assert_trees(ad.gradient(out, Constant(mlp), Active(x)), saliency)
+    directions = [jnp.eye(3)[i] for i in range(3)]
+    got = ad.pushforward(out, Constant(mlp), Active(x), tangents=directions)
+    assert_trees(got, [jax.jvp(lambda x: out(mlp, x), (x,), (t,))[1] for t in directions])
+
+    prepared = ad.prepare(ad.gradient, out, Constant(mlp), Active(baseline))
+    alphas = jnp.linspace(0.0, 1.0, 5)
+    path = [baseline + a * (x - baseline) for a in alphas]
+    got_ig = (x - baseline) * sum(prepared(mlp, p) for p in path) / len(path)
+    want_ig = (x - baseline) * jnp.mean(jax.vmap(jax.grad(lambda p: out(mlp, p)))(jnp.stack(path)), axis=0)
+    assert_trees(got_ig, want_ig)
+
+
+# ------------------------------------------------------------ implicit and adjoint derivatives
+
+
+def newton_sqrt(theta, y0):
+    """``sqrt(theta)`` by Newton's method, differentiated implicitly by `lax.custom_root`."""
+
+    def solve(g, y):
+        for _ in range(20):
+            y = y - g(y) / (2 * y)
+        return y
+
+    return jax.lax.custom_root(lambda y: y**2 - theta, y0, solve, lambda g, y: y / jax.grad(g)(1.0))
+
+
+def test_custom_root_and_custom_linear_solve_gradient_hessian_and_hvp_against_jax():
+    def roots(theta, y0):
+        return jnp.sum(jax.vmap(newton_sqrt, (0, None))(theta, y0) ** 3)
+
+    theta, y0 = jnp.array([2.0, 3.0, 5.0]), jnp.array(1.0)
+    assert_trees(ad.gradient(roots, Active(theta), Constant(y0)), 1.5 * jnp.sqrt(theta), rtol=1e-5, atol=1e-6)
+    assert_trees(ad.hessian(roots, Active(theta), Constant(y0)), jax.hessian(roots)(theta, y0))
+    prepared = ad.prepare(ad.gradient, roots, Active(theta), Constant(y0))
+    for t in (theta + 1, theta + 2):
+        assert_trees(prepared(t, y0), jax.grad(roots)(t, y0))
+
+    def solved(A, b):
+        x = jax.lax.custom_linear_solve(
+            lambda v: A @ v, b, solve=lambda _, b: jnp.linalg.solve(A, b),
+            transpose_solve=lambda _, b: jnp.linalg.solve(A.T, b),
+        )
+        return jnp.sum(jnp.sin(x))
+
+    A, b = 3 * jnp.eye(3) + 0.1 * normal(0, 3, 3), jnp.arange(3.0)
+    assert_trees(ad.gradient(solved, Active(A), Active(b)), jax.grad(solved, (0, 1))(A, b))
+    tangent = (jnp.ones_like(A), normal(1, 3))
+    want = jax.jvp(jax.grad(solved, (0, 1)), (A, b), tangent)[1]
+    assert_trees(ad.hvp(solved, Active(A), Active(b), tangent=tangent), want)
+
+
+def test_odeint_adjoint_and_cg_inside_f_prepared_on_new_data():
+    def final_energy(params, y0, t):
+        ys = odeint(lambda y, t, p: -p["k"] * y + p["w"] @ jnp.tanh(y), y0, t, params, rtol=1e-6, atol=1e-6)
+        return jnp.sum(ys[-1] ** 2)
+
+    params = {"k": jnp.array(0.5), "w": 0.3 * normal(2, 2, 2)}
+    y0, t = jnp.array([1.0, -0.5]), jnp.linspace(0.0, 1.0, 3)
+    assert_trees(ad.gradient(final_energy, Active(params), Constant(y0), Constant(t)), jax.grad(final_energy)(params, y0, t))
+    prepared = ad.prepare(ad.gradient, final_energy, Active(params), Constant(y0), Constant(t))
+    for data in ((2 * y0, t), (3 * y0, 2 * t)):
+        assert_trees(prepared(params, *data), jax.grad(final_energy)(params, *data))
+
+    def cg_energy(A, b):
+        x, _ = jax.scipy.sparse.linalg.cg(A @ A.T + jnp.eye(3), b, tol=1e-10, maxiter=50)
+        return jnp.sum(x**2)
+
+    A, b = normal(3, 3, 3), jnp.arange(3.0)
+    assert_trees(ad.gradient(cg_energy, Active(A), Active(b)), jax.grad(cg_energy, (0, 1))(A, b))
+    prepared = ad.prepare(ad.gradient, cg_energy, Active(A), Active(b))
+    assert_trees(prepared(A, b + 1), jax.grad(cg_energy, (0, 1))(A, b + 1))
+
+
+def test_a_custom_vjp_function_under_forward_mode_operators_names_the_reverse_mode_ways():
+    """JAX refuses forward mode through a ``jax.custom_vjp`` (odeint's adjoint): jacobian of an
+    f with more outputs than inputs and hvp (unprepared, and prepared, where JAX refuses under jit) say which operators and which
+    backend differentiate it, and those give what JAX's reverse mode gives."""
+
+    def trajectory(k, y0, t):
+        return odeint(lambda y, t, k: -k * y + 0.1 * jnp.sin(y), y0, t, k)
+
+    def energy(k, y0, t):
+        return jnp.sum(trajectory(k, y0, t) ** 2)
+
+    def spread(s, y0, t):
+        return trajectory(s * jnp.ones(4), y0, t)
+
+    k, y0, t, v = jnp.array([0.5, 1.0, 2.0, 3.0]), jnp.ones(4), jnp.linspace(0.0, 1.0, 2), jnp.arange(4.0)
+    calls = [
+        lambda: ad.jacobian(spread, Active(jnp.array(0.5)), Constant(y0), Constant(t)),
+        lambda: ad.hvp(energy, Active(k), Constant(y0), Constant(t), tangent=v),
+        lambda: ad.prepare(ad.hvp, energy, Active(k), Constant(y0), Constant(t), tangent=v)(k, y0, t, tangent=v),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match="custom_vjp") as caught:
+            call()
+        assert any('mode="reverse-over-reverse"' in note for note in caught.value.__notes__)
+
+    reverse = ad.SecondOrder(ad.AutoJAX(), ad.AutoJAX(), mode="reverse-over-reverse")
+    want = jax.grad(lambda k: jnp.vdot(jax.grad(energy)(k, y0, t), v))(k)
+    assert_trees(ad.hvp(energy, Active(k), Constant(y0), Constant(t), tangent=v, backend=reverse), want)
+    rows = ad.pullback(spread, Active(jnp.array(0.5)), Constant(y0), Constant(t),
+                       cotangents=[jnp.zeros((2, 4)).at[i, j].set(1.0) for i in range(2) for j in range(4)])
+    want = jax.jacrev(spread)(jnp.array(0.5), y0, t)
+    assert_trees(jnp.stack(rows).reshape(2, 4), want)
+
+
+# ------------------------------------------------------------ side effects and functions
+
+
+def test_a_debug_callback_inside_f_runs_once_per_call_as_in_jax_grad_and_not_at_prepare():
+    seen = []
+
+    def f(w, x):
+        jax.debug.callback(lambda s: seen.append(float(s)), jnp.sum(w))
+        return jnp.sum(jnp.sin(w * x))
+
+    w, x = jnp.arange(3.0), jnp.ones(3)
+    jax.grad(f)(w, x)
+    jax.effects_barrier()
+    assert len(seen) == 1
+    for op, kw in [(ad.gradient, {}), (ad.hvp, {"tangent": jnp.ones(3)}), (ad.jacobian, {})]:
+        seen.clear()
+        op(f, Active(w), Constant(x), **kw)
+        prepared = ad.prepare(op, f, Active(w), Constant(x), **kw)
+        jax.effects_barrier()
+        assert len(seen) == 1, op
+        prepared(w + 1, x, **kw)
+        jax.effects_barrier()
+        assert seen == [3.0, 6.0], op
+
+
+def test_attention_masks_pooling_fft_special_functions_and_optax_losses_gradient_and_hvp():
+    def model(p, x, mask, labels):
+        q = k = v = jnp.tanh(x @ p["w"]).reshape(1, 4, 1, 2)  # batch, length, heads, features
+        att = jax.nn.dot_product_attention(q, k, v, mask=mask)[0, :, 0]
+        pooled = jax.lax.reduce_window(att, -jnp.inf, jax.lax.max, (2, 1), (2, 1), "VALID")
+        spectrum = jnp.fft.irfft(jnp.fft.rfft(att, axis=0) * jnp.array([1.0, 0.5, 0.25])[:, None], n=4, axis=0)
+        mixed = p["a"] @ spectrum.T
+        logits = jnp.concatenate([pooled, mixed.T[:2]], axis=1)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        bce = optax.sigmoid_binary_cross_entropy(logits[:, 0], jnp.array([0.0, 1.0])).mean()
+        loss = ce + bce + optax.huber_loss(logits, delta=0.5).mean() + jax.scipy.special.logsumexp(p["a"])
+        return loss + jnp.sum(jax.scipy.special.xlogy(jax.nn.softplus(logits), 1 + logits**2) + jax.scipy.special.gammaln(2 + logits**2))
+
+    p = {"w": normal(0, 3, 2), "a": normal(1, 2, 2)}
+    x = normal(2, 4, 3)
+    mask = jnp.tril(jnp.ones((1, 1, 4, 4), bool))
+    labels = jnp.array([1, 3])
+    assert_trees(ad.gradient(model, Active(p), Constant(x), Constant(mask), Constant(labels)), jax.grad(model)(p, x, mask, labels))
+    tangent = {"w": normal(3, 3, 2), "a": normal(4, 2, 2)}
+    want = jax.jvp(lambda p: jax.grad(model)(p, x, mask, labels), (p,), (tangent,))[1]
+    assert_trees(ad.hvp(model, Active(p), Constant(x), Constant(mask), Constant(labels), tangent=tangent), want, rtol=1e-4, atol=1e-5)
+    prepared = ad.prepare(ad.gradient, model, Active(p), Constant(x), Constant(mask), Constant(labels))
+    other_mask, other_labels = jnp.ones((1, 1, 4, 4), bool), jnp.array([0, 2])
+    assert_trees(prepared(p, 2 * x, other_mask, other_labels), jax.grad(model)(p, 2 * x, other_mask, other_labels))
+    assert_trees(ad.gradient(model, Constant(p), Active(x), Constant(mask), Constant(labels)),
+                 jax.grad(model, 1)(p, x, mask, labels))
