@@ -236,6 +236,30 @@ def test_a_custom_vjp_function_under_forward_mode_operators_names_the_reverse_mo
 # ------------------------------------------------------------ side effects and functions
 
 
+def control_flow(p, x, i):
+    h = jax.lax.cond(jnp.sum(x) > 0, jnp.sin, jnp.cos, p["w"] * x)
+    h = jax.lax.switch(i, [lambda v: v**2, jnp.exp, lambda v: v], h)
+    h = jax.lax.associative_scan(jnp.add, h) + jax.lax.map(lambda r: r * p["b"], h)
+    h = jnp.vectorize(lambda a, b: a * jnp.tanh(b), signature="(),()->()")(h, p["b"])
+    h = h + jax.vmap(lambda t, s: t["u"] * s, in_axes=({"u": 0}, None))({"u": h}, p["b"][0])
+    with jax.ensure_compile_time_eval():
+        c = jnp.arange(3.0) + 1
+    return jnp.sum(h * c + jax.lax.stop_gradient(p["w"]) * h)
+
+
+def test_cond_switch_on_data_scans_vectorize_pytree_in_axes_and_stop_gradient_inside_f():
+    """Branches chosen by the data change between prepared calls; ``stop_gradient`` is honoured
+    as ``jax.grad`` honours it."""
+    p = {"w": jnp.array([0.3, -0.2, 0.5]), "b": jnp.array([1.0, 2.0, 0.5])}
+    x, i = jnp.array([1.0, 2.0, -0.5]), jnp.array(1)
+    reference = jax.jit(jax.grad(control_flow, (0, 1)))  # eager, each lax.map and cond traces anew
+    got = ad.gradient(control_flow, Active(p), Active(x), Constant(i))
+    assert_trees(got, reference(p, x, i))
+    prepared = ad.prepare(ad.gradient, control_flow, Active(p), Constant(x), Constant(i))
+    for data in ((-x, jnp.array(0)), (2 * x, jnp.array(2))):
+        assert_trees(prepared(p, *data), reference(p, *data)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_a_debug_callback_inside_f_runs_once_per_call_as_in_jax_grad_and_not_at_prepare():
     seen = []
 
