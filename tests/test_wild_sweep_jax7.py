@@ -176,10 +176,11 @@ def test_odeint_adjoint_and_cg_inside_f_prepared_on_new_data():
 
     params = {"k": jnp.array(0.5), "w": 0.3 * normal(2, 2, 2)}
     y0, t = jnp.array([1.0, -0.5]), jnp.linspace(0.0, 1.0, 3)
-    reference = jax.jit(jax.grad(final_energy))  # odeint's adjoint traced once, not on each call
-    assert_trees(ad.gradient(final_energy, Active(params), Constant(y0), Constant(t)), reference(params, y0, t))
+    # Each program through odeint's adjoint compiles for a second or more: the prepared call
+    # only (the unprepared path is the cg one below).
+    reference = jax.jit(jax.grad(final_energy))
     prepared = ad.prepare(ad.gradient, final_energy, Active(params), Constant(y0), Constant(t))
-    for data in ((2 * y0, t), (3 * y0, 2 * t)):
+    for data in ((y0, t), (3 * y0, 2 * t)):
         assert_trees(prepared(params, *data), reference(params, *data))
 
     def cg_energy(A, b):

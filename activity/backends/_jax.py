@@ -497,9 +497,8 @@ _FORWARD_NOTE = "(JAX differentiates a jax.custom_vjp function in reverse mode o
 
 def _explain_forward_custom_vjp(error: TypeError) -> None:
     """Say, on JAX's refusal of forward mode through a ``jax.custom_vjp`` function (odeint's
-    adjoint, a user's own rule), which operators and backend run in reverse mode only: the
-    first-order operators that differentiate in forward mode, and hvp and hessian, whose
-    default is forward over reverse."""
+    adjoint, a user's own rule), which operators differentiate f in reverse mode instead, and
+    which backend does so for hvp and hessian (their default is forward over reverse)."""
     if _FORWARD_CUSTOM_VJP not in str(error) or any(str(n).startswith(_FORWARD_NOTE) for n in getattr(error, "__notes__", [])):
         return
     add_note(
