@@ -77,10 +77,14 @@ class AutoJAX(Backend):
         def one(tangent: Flat) -> tuple[Any, ...]:
             return jax.jvp(F, (xs,), (tangent,), has_aux=True)  # type: ignore[no-any-return]
 
-        if not batched:
-            ys, dys, aux = one(ts)
-        else:
-            ys, dys, aux = jax.vmap(one, out_axes=(None, 0, None))(ts)
+        try:
+            if not batched:
+                ys, dys, aux = one(ts)
+            else:
+                ys, dys, aux = jax.vmap(one, out_axes=(None, 0, None))(ts)
+        except TypeError as error:
+            _explain_forward_custom_vjp(error)
+            raise
         return ys, aux, dys
 
     def vjp(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Callable[[Flat, bool], Flat]]:
@@ -120,7 +124,11 @@ class AutoJAX(Backend):
         jitted = _jax().jit(_with_static_output(pipeline, {}))
 
         def run(xs: Flat, ctx: Flat, extra: Flat | None) -> Any:
-            return _rebuilt(jitted(xs, ctx, extra))
+            try:
+                return _rebuilt(jitted(xs, ctx, extra))
+            except TypeError as error:  # under jit, JAX may refuse the jvp after `AutoJAX.jvp` returned
+                _explain_forward_custom_vjp(error)
+                raise
 
         run.jitted = jitted  # type: ignore[attr-defined]  # for `_compile_ahead`
         return run
@@ -478,6 +486,27 @@ def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
         f"an f with more outputs than inputs. A prepared call traces array Constants (jnp.array(n) too): a "
         f"trip count passed as a Python int, Constant(n), is static, and fori_loop is then a scan reverse "
         f"mode can differentiate.",
+    )
+
+
+_FORWARD_CUSTOM_VJP = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+
+
+_FORWARD_NOTE = "(JAX differentiates a jax.custom_vjp function in reverse mode only"
+
+
+def _explain_forward_custom_vjp(error: TypeError) -> None:
+    """Say, on JAX's refusal of forward mode through a ``jax.custom_vjp`` function (odeint's
+    adjoint, a user's own rule), which operators differentiate f in reverse mode instead, and
+    which backend does so for hvp and hessian (their default is forward over reverse)."""
+    if _FORWARD_CUSTOM_VJP not in str(error) or any(str(n).startswith(_FORWARD_NOTE) for n in getattr(error, "__notes__", [])):
+        return
+    add_note(
+        error,
+        f"{_FORWARD_NOTE}, e.g. jax.experimental.ode.odeint.) activity.gradient and activity.pullback "
+        f"differentiate f in reverse mode; activity.jacobian does too when f has no more outputs than inputs "
+        f"(otherwise pullback with cotangents=[one per output entry]). For activity.hvp and activity.hessian pass "
+        f'backend=activity.SecondOrder(activity.AutoJAX(), activity.AutoJAX(), mode="reverse-over-reverse").',
     )
 
 
