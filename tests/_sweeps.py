@@ -6,6 +6,18 @@ from __future__ import annotations
 import numpy as np
 
 CLOSE = dict(rtol=2e-5, atol=2e-6)
+SECOND_ORDER = dict(rtol=1e-6, atol=1e-9)  # float64 models against torch's own second derivatives
+
+
+def built(model_type, config_type, train=False, **config):
+    """A Hugging Face model of class ``model_type`` from a tiny ``config_type(**config)``, in float64,
+    initialised from seed 0 without moving the global RNG."""
+    import torch
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = model_type(config_type(**config)).double()
+    return model.train(train)
 
 
 def generator(seed: int):

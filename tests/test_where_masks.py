@@ -381,6 +381,19 @@ def test_a_plain_dict_mask_of_an_nnx_module_reads_as_its_state(assert_tree_close
         ad.gradient(f, Active(net, where={"body": False, "tail": True}), Constant(x))
 
 
+def test_a_plain_dict_mask_of_flax_multi_head_attention_selects_its_query_projection(assert_tree_close):
+    attention = nnx.MultiHeadAttention(num_heads=2, in_features=4, qkv_features=4, decode=False, rngs=nnx.Rngs(0))
+    x = jax.random.normal(KEY, (3, 5, 4))
+    f = lambda m, x: jnp.sum(jnp.tanh(m(x)) ** 2)  # noqa: E731
+    graph, query, rest = nnx.split(attention, nnx.All(nnx.Param, nnx.PathContains("query")), ...)
+    expected = jax.grad(lambda q: f(nnx.merge(graph, q, rest), x))(query)["query"]
+    where = {"query": True, "key": False, "value": False, "out": False}
+    got = ad.gradient(f, Active(attention, where=where), Constant(x))
+    assert got["key"]["kernel"].get_value() is None and got["out"]["bias"].get_value() is None
+    assert_tree_close(got["query"]["kernel"].get_value(), expected["kernel"].get_value(), rtol=1e-5, atol=1e-6)
+    assert_tree_close(got["query"]["bias"].get_value(), expected["bias"].get_value(), rtol=1e-5, atol=1e-6)
+
+
 def test_lora_adapters_on_a_frozen_jax_base(assert_tree_close):
     k1, k2, k3 = jax.random.split(KEY, 3)
     params = {

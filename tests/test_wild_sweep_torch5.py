@@ -24,7 +24,7 @@ from torch import nn
 import activity as ad
 from activity import Active, Constant
 
-from _sweeps import assert_close_dicts, generator, randn, raw_gradient, squared, trainable, untouched
+from _sweeps import assert_close_dicts, built, generator, randn, raw_gradient, squared, trainable, untouched
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -53,13 +53,11 @@ def token_ids(seed, shape, vocab):
 
 
 def tiny_roberta():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.RobertaConfig(
-            vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
-            max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )
-        return transformers.RobertaForMaskedLM(config).double().eval()
+    return built(
+        transformers.RobertaForMaskedLM, transformers.RobertaConfig, False,
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=40, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
 
 
 def encoded(seed):
@@ -129,13 +127,11 @@ def test_a_fast_tokenizers_batch_encoding_is_refused_by_a_prepared_call_with_wha
     backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]")
     first, second = (tokenizer(texts, return_tensors="pt") for texts in (["a b c", "d e a"], ["c c d", "a e b"]))
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.BertConfig(
-            vocab_size=7, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
-            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )
-        model = transformers.BertForMaskedLM(config).double().eval()
+    model = built(
+        transformers.BertForMaskedLM, transformers.BertConfig, False,
+        vocab_size=7, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
 
     def loss(model, batch):
         return model(**batch, labels=batch["input_ids"]).loss
@@ -151,12 +147,10 @@ def test_a_fast_tokenizers_batch_encoding_is_refused_by_a_prepared_call_with_wha
 
 
 def tiny_resnet():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.ResNetConfig(
-            num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
-        )
-        return transformers.ResNetForImageClassification(config).double().train()
+    return built(
+        transformers.ResNetForImageClassification, transformers.ResNetConfig, True,
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=3
+    )
 
 
 def test_a_feature_extractors_batch_feature_as_the_active_input_gets_its_gradient_in_its_own_type():
@@ -193,24 +187,20 @@ def test_resnet_and_convnext_image_classifiers_on_channels_last_images():
 
     pixels = randn(2, 3, 16, 16, seed=1).to(memory_format=torch.channels_last)
     assert_gradient_unprepared_and_prepared(tiny_resnet(), pixels, loss)  # BatchNorm in train mode
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.ConvNextConfig(
-            num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, patch_size=2
-        )
-        convnext = transformers.ConvNextForImageClassification(config).double().eval()
+    convnext = built(
+        transformers.ConvNextForImageClassification, transformers.ConvNextConfig, False,
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, patch_size=2
+    )
     assert_gradient_unprepared_and_prepared(convnext, pixels, loss)
 
 
 def test_a_lora_like_mask_on_the_attention_projections_of_bart_with_labels():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.BartConfig(
-            vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
-            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        )
-        model = transformers.BartForConditionalGeneration(config).double().eval()
+    model = built(
+        transformers.BartForConditionalGeneration, transformers.BartConfig, False,
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )
 
     def loss(model, ids, labels):
         return model(input_ids=ids, labels=labels).loss
@@ -238,14 +228,12 @@ def test_a_lora_like_mask_on_the_attention_projections_of_bart_with_labels():
 
 
 def test_qwen2_with_grouped_query_attention_pullback_pushforward_and_loss():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(
-            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
-            attn_implementation="eager",  # torch has no forward-mode rule for CPU flash attention
-        )
-        model = transformers.Qwen2ForCausalLM(config).double().eval()
+    model = built(
+        transformers.Qwen2ForCausalLM, transformers.Qwen2Config, False,
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+        attn_implementation="eager",  # torch has no forward-mode rule for CPU flash attention
+    )
     ids = token_ids(1, (2, 6), 40)
     intact = untouched(Active(model), Constant(ids))
 
@@ -276,13 +264,11 @@ def test_qwen2_with_grouped_query_attention_pullback_pushforward_and_loss():
 
 
 def test_phi_in_train_mode_draws_its_dropout_masks_like_one_eager_forward():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.PhiConfig(
-            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            max_position_embeddings=32, partial_rotary_factor=0.5, resid_pdrop=0.1, embd_pdrop=0.1,
-        )
-        model = transformers.PhiForCausalLM(config).double().train()
+    model = built(
+        transformers.PhiForCausalLM, transformers.PhiConfig, True,
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32, partial_rotary_factor=0.5, resid_pdrop=0.1, embd_pdrop=0.1,
+    )
     ids = token_ids(1, (2, 6), 40)
 
     def loss(model, ids):
@@ -520,10 +506,7 @@ def test_pushforward_and_pullback_of_a_model_output_with_hidden_states_and_an_un
     """f returns ResNet's ModelOutput (logits and a tuple of hidden states): the pushforward is
     that ModelOutput type, the pullback takes one as its cotangent. A BERT pooler the loss does
     not use gets zeros, not a missing key."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1], layer_type="basic", num_labels=3)
-        model = transformers.ResNetForImageClassification(config).double().eval()
+    model = built(transformers.ResNetForImageClassification, transformers.ResNetConfig, False, num_channels=3, embedding_size=8, hidden_sizes=[8], depths=[1], layer_type="basic", num_labels=3)
     pixels = randn(2, 3, 8, 8, seed=1)
 
     def outputs(model, pixels):
@@ -544,13 +527,11 @@ def test_pushforward_and_pullback_of_a_model_output_with_hidden_states_and_an_un
     pulled = torch.autograd.grad([reference.logits, *reference.hidden_states], leaves, [cotangent.logits, *cotangent.hidden_states], materialize_grads=True)
     assert_close_dicts(ad.pullback(outputs, Active(model), Constant(pixels), cotangent=cotangent), dict(zip(names, pulled)))
 
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.BertConfig(
-            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        )
-        bert = transformers.BertModel(config).double().eval()
+    bert = built(
+        transformers.BertModel, transformers.BertConfig, False,
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
 
     def hidden(model, ids):
         return model(input_ids=ids).last_hidden_state.pow(2).sum()
@@ -597,13 +578,11 @@ def test_a_prepared_hvp_follows_a_batchnorm_switched_to_train_mode_and_back():
 
 
 def test_gradient_and_hvp_of_qwen2_restricted_to_its_query_and_value_projections():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.Qwen2Config(
-            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager",
-        )
-        model = transformers.Qwen2ForCausalLM(config).double().eval()
+    model = built(
+        transformers.Qwen2ForCausalLM, transformers.Qwen2Config, False,
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager",
+    )
 
     def loss(model, ids):
         return model(input_ids=ids, labels=ids).loss
@@ -636,13 +615,11 @@ def test_gradient_and_hvp_of_qwen2_restricted_to_its_query_and_value_projections
 
 
 def test_gemma_with_its_embedding_scale_buffer_gradient_prepared_and_pushforward():
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.GemmaConfig(
-            vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=8, max_position_embeddings=32, attn_implementation="eager",
-        )
-        model = transformers.GemmaForCausalLM(config).double().eval()
+    model = built(
+        transformers.GemmaForCausalLM, transformers.GemmaConfig, False,
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=32, attn_implementation="eager",
+    )
 
     def loss(model, ids):
         return model(input_ids=ids, labels=ids).loss

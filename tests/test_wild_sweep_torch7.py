@@ -24,19 +24,10 @@ from torch import nn
 import activity as ad
 from activity import Active, Constant
 
-from _sweeps import assert_close_dicts, generator, randn, raw_gradient, trainable, untouched
+from _sweeps import SECOND_ORDER, assert_close_dicts, built, generator, randn, raw_gradient, trainable, untouched
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-
-SECOND_ORDER = dict(rtol=1e-6, atol=1e-9)
-
-
-def built(model_type, config_type, train=False, **config):
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = model_type(config_type(**config)).double()
-    return model.train(train)
 
 
 def input_gradient(f, model, x, *rest):
