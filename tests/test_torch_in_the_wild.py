@@ -1237,3 +1237,53 @@ def test_gradient_hooks_on_differentiated_tensors_are_named_in_a_warning_not_sil
         warnings.simplefilter("error")
         ad.gradient(loss, Active(model), Constant(x))
         ad.gradient(loss, Constant(model), Active(x))  # a Constant module's hooks concern no result
+
+
+def _parameter_asking_loss(model, x):
+    """A loss whose code asks its module for nn.Parameters, as model code may: a decay over
+    `isinstance(p, nn.Parameter)` and `get_parameter` (which refuses anything else)."""
+    decay = sum((p**2).sum() for p in model.parameters() if isinstance(p, nn.Parameter))
+    return (model(x) ** 2).mean() + model.get_parameter("0.weight").sum() + 0.1 * decay
+
+
+def test_f_that_asks_its_module_for_nn_parameters_gets_them_in_reverse_mode_and_from_the_reference():
+    """The view's differentiated tensors were plain tensors: `get_parameter` raised, and the decay
+    over nn.Parameters silently dropped out of every gradient (against torch.autograd.grad)."""
+    model = init(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double())
+    x1, x2 = randn(5, 3, seed=1, dtype=torch.float64), randn(5, 3, seed=2, dtype=torch.float64)
+    params = [p for _, p in named_trainable(model)]
+    names = [n for n, _ in named_trainable(model)]
+    before = snapshot(model)
+
+    def want(x):
+        return dict(zip(names, torch.autograd.grad(_parameter_asking_loss(model, x), params)))
+
+    def assert_close(got, expected, **tolerance):
+        assert sorted(got) == sorted(expected)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], **(tolerance or ALL_CLOSE))
+
+    assert_close(ad.gradient(_parameter_asking_loss, Active(model), Constant(x1)), want(x1))
+    prepared = ad.prepare(ad.gradient, _parameter_asking_loss, Active(model), Constant(x1))
+    assert_close(prepared(model, x1), want(x1))
+    assert_close(prepared(model, x2), want(x2))
+    pulled = ad.pullback(_parameter_asking_loss, Active(model), Constant(x2), cotangent=torch.tensor(2.0, dtype=torch.float64))
+    assert_close(pulled, {n: 2 * g for n, g in want(x2).items()})
+    reference = ad.gradient(_parameter_asking_loss, Active(model), Constant(x1), backend=ad.AutoFiniteDifferences())
+    assert_close(reference, want(x1), rtol=1e-6, atol=1e-8)
+
+    tangent = [randn(*p.shape, seed=3 + i, dtype=torch.float64) for i, p in enumerate(params)]
+    grads = torch.autograd.grad(_parameter_asking_loss(model, x1), params, create_graph=True)
+    want_hvp = dict(zip(names, torch.autograd.grad(grads, params, tangent)))
+    assert_close(ad.hvp(_parameter_asking_loss, Active(model), Constant(x1), tangent=dict(zip(names, tangent))), want_hvp)
+    assert_unchanged(model, before)
+
+
+def test_f_that_asks_for_an_nn_parameter_under_forward_mode_is_told_what_to_do():
+    """Forward mode puts dual / torch.func tensors in the slots (as torch.func.functional_call
+    does): torch's "not an nn.Parameter" gets a note naming the ways that work."""
+    model = init(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)))
+    tangent = {n: torch.ones_like(p) for n, p in named_trainable(model)}
+    with pytest.raises(AttributeError, match="not an nn.Parameter") as raised:
+        ad.pushforward(_parameter_asking_loss, Active(model), Constant(randn(5, 3)), tangent=tangent)
+    assert "get_submodule(path).weight" in "\n".join(getattr(raised.value, "__notes__", []))

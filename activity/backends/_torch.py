@@ -40,7 +40,7 @@ from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged, cut_is_an_error, derived_from
-from ._torch_modules import VERSION, ModuleDescription, bound_view, described, lease_view, release_view
+from ._torch_modules import VERSION, ModuleDescription, bound_view, described, fresh_leaf, lease_view, release_view
 
 
 def _torch() -> Any:
@@ -237,6 +237,15 @@ class AutoTorch(Backend):
                 f"grad which f reads from outside its arguments, such as a model's nn.Parameter; torch refused "
                 f"the write). Compute out of place or on a copy (x = x.clone()); pass scratch space that f "
                 f"writes as Cache(buffer), and data as Constant(x)."
+            )
+        if isinstance(error, AttributeError) and "is not an nn.Parameter" in str(error):
+            return (
+                "f asked a module for an nn.Parameter (get_parameter, say). In forward mode and under torch.func "
+                "(pushforward, hessian, and hvp where it runs forward over reverse) a module's parameter slots hold "
+                "the transform's tensors, as with torch.func.functional_call, and those are not nn.Parameters. Read "
+                "the parameter as an attribute (module.get_submodule(path).weight), or use the reverse-mode "
+                "operators (gradient, pullback, hvp with AutoTorch(hvp_mode='reverse-over-reverse')), "
+                "where f gets nn.Parameters."
             )
         return None
 
@@ -443,7 +452,10 @@ def _plain(leaf: Any) -> Any:
         return leaf
     if leaf.is_inference():
         return leaf.clone()  # outside inference mode: a normal tensor autograd can save
-    return leaf.detach() if leaf.requires_grad else leaf
+    if not leaf.requires_grad:
+        return leaf
+    # A parameter stays one, for the leaf `_tape_leaf` makes of it (see `fresh_leaf`)
+    return torch.nn.Parameter(leaf.detach(), requires_grad=False) if type(leaf) is torch.nn.Parameter else leaf.detach()
 
 
 def _copy_for_view(t: Any) -> Any:
@@ -470,7 +482,7 @@ def _tape_leaf(x: Any) -> Any:
         _DualWatch.dropped = True
     if x.is_inference():
         return x.clone().requires_grad_()
-    return x.detach().requires_grad_()
+    return fresh_leaf(x)
 
 
 def _rng_state() -> Any:

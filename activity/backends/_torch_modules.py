@@ -548,7 +548,8 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
             continue
         original = step.original_ref()
         state = original.__dict__.copy()
-        parameters = {k: None if i < 0 else tensors[i] for k, i in step.params}
+        held = original._parameters
+        parameters = {k: None if i < 0 else _parameter_slot(tensors[i], held.get(k)) for k, i in step.params}
         state["_parameters"] = parameters
         state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
         state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
@@ -586,6 +587,30 @@ def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None
 _DATA_PTR = operator.methodcaller("data_ptr")
 
 
+def _parameter_slot(tensor: Any, original: Any) -> Any:
+    """What a view's parameter slot holds: an ``nn.Parameter`` where the original slot held one
+    and ``tensor`` is a plain value that can be one without losing a derivative (the finite
+    differences' evaluations, a float64 copy; the tape's leaves are Parameters already, see
+    `fresh_leaf`). Under ``torch.func`` and on dual tensors the slot holds the transform's
+    tensor as it is, as in ``torch.func.functional_call``: a Parameter would cut it from the
+    transform."""
+    torch = sys.modules["torch"]
+    if type(tensor) is not torch.Tensor or type(original) is not torch.nn.Parameter or tensor.requires_grad:
+        return tensor
+    if torch._C._functorch.is_functorch_wrapped_tensor(tensor) or torch.autograd.forward_ad.unpack_dual(tensor).tangent is not None:
+        return tensor
+    return torch.nn.Parameter(tensor, requires_grad=False)
+
+
+def fresh_leaf(tensor: Any) -> Any:
+    """A new tape leaf with ``tensor``'s storage (``detach()``: in-place changes are seen) and,
+    for an ``nn.Parameter``, itself a Parameter: f's code may ask (``module.get_parameter``
+    refuses anything else, and ``isinstance(w, nn.Parameter)`` would silently be False)."""
+    leaf = tensor.detach()
+    parameter = sys.modules["torch"].nn.Parameter
+    return parameter(leaf) if type(tensor) is parameter else leaf.requires_grad_()
+
+
 def _copier(targets: list[Any], sources: list[Any]) -> Callable[[], Any]:
     """``targets[i].copy_(sources[i])`` for every i, as one call: plain tensors (BatchNorm
     statistics) in one ``torch._foreach_copy_`` (one dispatch for all, not one each)."""
@@ -620,7 +645,7 @@ class ReusedView:
     def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any]) -> None:
         self.plan = plan = _plan_of(module, True)
         self.params = tuple(module.params)
-        self.leaves = tuple(p.detach().requires_grad_() for p in module.params)
+        self.leaves = tuple(map(fresh_leaf, module.params))
         self.pointers = tuple(map(_DATA_PTR, module.params))
         # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
         self.held = [convert(t) for t in plan.sources]
@@ -806,6 +831,7 @@ __all__ = [
     "describe_module",
     "described",
     "forget_hooks_since",
+    "fresh_leaf",
     "lease_view",
     "release_view",
     "VERSION",
