@@ -584,7 +584,10 @@ def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None
             state[key] = None if key == "_compiled_call_impl" else _redirect(original.__dict__[key], by_id)
 
 
-_DATA_PTR = operator.methodcaller("data_ptr")
+@functools.cache
+def _data_ptr() -> Callable[[Any], int]:
+    # The method itself, not `methodcaller`: no lookup and no bound method per tensor, on every lease.
+    return sys.modules["torch"]._C.TensorBase.data_ptr  # type: ignore[no-any-return]
 
 
 def _parameter_slot(tensor: Any, original: Any) -> Any:
@@ -646,7 +649,7 @@ class ReusedView:
         self.plan = plan = _plan_of(module, True)
         self.params = tuple(module.params)
         self.leaves = tuple(map(fresh_leaf, module.params))
-        self.pointers = tuple(map(_DATA_PTR, module.params))
+        self.pointers = tuple(map(_data_ptr(), module.params))
         # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
         self.held = [convert(t) for t in plan.sources]
         self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t)
@@ -669,12 +672,15 @@ class ReusedView:
         )
         # The copied submodules (the rest are the user's own, used as they are).
         self.copied = tuple(view for view, step in zip(self.views, plan.steps) if isinstance(step, _Copy))
+        self.held_copies = tuple(self.held[i] for i in self.kept)
         self.references = self._references()
 
     def _references(self) -> tuple[int, ...]:
         # References to each copied submodule and buffer, ours only while no call holds them: more
         # at release means f kept one (a module, a buffer in its aux), which must then stay as it is.
-        return (*map(sys.getrefcount, self.copied), *(sys.getrefcount(self.held[i]) for i in self.kept))
+        # (Maps, not a generator: this runs on every call, after the backward pass has left every cache cold.)
+        counts = tuple(map(sys.getrefcount, self.copied))
+        return counts + tuple(map(sys.getrefcount, self.held_copies)) if self.held_copies else counts
 
     def refresh(self) -> None:
         for original_ref, state, own in self.copies:
@@ -812,7 +818,7 @@ def lease_view(module: ModuleDescription, convert: Callable[[Any], Any]) -> Reus
         view: ReusedView = module.reused.pop()
     except IndexError:
         return ReusedView(module, convert)
-    if tuple(map(_DATA_PTR, view.params)) != view.pointers:  # `p.data = ...` gave a parameter new storage
+    if tuple(map(_data_ptr(), view.params)) != view.pointers:  # `p.data = ...` gave a parameter new storage
         module.reused.clear()
         return ReusedView(module, convert)
     view.refresh()
