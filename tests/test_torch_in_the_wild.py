@@ -1287,3 +1287,18 @@ def test_f_that_asks_for_an_nn_parameter_under_forward_mode_is_told_what_to_do()
     with pytest.raises(AttributeError, match="not an nn.Parameter") as raised:
         ad.pushforward(_parameter_asking_loss, Active(model), Constant(randn(5, 3)), tangent=tangent)
     assert "get_submodule(path).weight" in "\n".join(getattr(raised.value, "__notes__", []))
+
+
+def test_an_active_parameter_reached_only_through_a_constant_module_says_to_pass_the_module():
+    """`Active(model[0].weight), Constant(model)`: the module is data, so f does not depend on
+    the Active tensor (torch.autograd.grad would differentiate the module's use of it); the
+    error names the way that differentiates it, a mask on the module, whose result is the
+    hand-written gradient."""
+    model = init(nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1)))
+    x = randn(4, 3)
+    loss = lambda w, m, x: m(x).sum()  # noqa: E731
+    with pytest.raises(ValueError, match=r"Active\(module, where=\.\.\.\)"):
+        ad.gradient(loss, Active(model[0].weight), Constant(model), Constant(x))
+    masked = ad.gradient(lambda m, x: m(x).sum(), Active(model, where=lambda path, p: path == "0.weight"), Constant(x))
+    (want,) = torch.autograd.grad(model(x).sum(), model[0].weight)
+    torch.testing.assert_close(masked["0.weight"], want, **ALL_CLOSE)

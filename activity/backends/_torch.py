@@ -133,8 +133,10 @@ def _disconnected(op_name: str | None) -> ValueError:
         f".tolist(), .numpy() or torch.tensor(...) on a computed value, .detach(), torch.no_grad(), or "
         f".requires_grad_(False) on an input, or an activity operator called inside f (its result is off the "
         f"tape: for a second derivative call activity.hessian, hvp or second_derivative on the inner f, or "
-        f"differentiate the outer one in forward mode, activity.pushforward). Keep the computation in torch "
-        f"tensors; if f really does not depend on these arguments, mark them Constant(...)."
+        f"differentiate the outer one in forward mode, activity.pushforward). An Active tensor that f reaches "
+        f"through a Constant module, or captures, is data there (only the Active occurrence is differentiated): "
+        f"pass the module itself as Active(module, where=...). Keep the computation in torch tensors; if f "
+        f"really does not depend on these arguments, mark them Constant(...)."
     )
 
 

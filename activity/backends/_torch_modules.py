@@ -610,8 +610,13 @@ def fresh_leaf(tensor: Any) -> Any:
     for an ``nn.Parameter``, itself a Parameter: f's code may ask (``module.get_parameter``
     refuses anything else, and ``isinstance(w, nn.Parameter)`` would silently be False)."""
     leaf = tensor.detach()
-    parameter = sys.modules["torch"].nn.Parameter
+    parameter = _parameter_type()
     return parameter(leaf) if type(tensor) is parameter else leaf.requires_grad_()
+
+
+@functools.cache
+def _parameter_type() -> type:
+    return sys.modules["torch"].nn.Parameter  # type: ignore[no-any-return]
 
 
 def _copier(targets: list[Any], sources: list[Any]) -> Callable[[], Any]:
