@@ -478,3 +478,33 @@ def test_a_prepared_call_under_autocast_stays_right_and_prepared():
         want = raw_gradient(model, x)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_prepared_gradient_after_its_first_call_still_takes_every_kind_of_constant_and_loss():
+    """After a first call, a Constant tensor and f's loss are checked by one guard each; what
+    the guard refuses (a Constant that requires grad, one made in inference mode, another
+    memory layout; a loss of another dtype) takes the full checks and is still right, and the
+    Constant is left as it was."""
+
+    def loss(model, x):
+        out = model(x).pow(2).mean()
+        return out.double() if bool(x[0, 0] > 100) else out
+
+    model = mlp()
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(data(5, 4)))
+    assert_dicts_close(prepared(model, data(5, 4, seed=2)), raw_gradient(model, data(5, 4, seed=2), loss))
+    tracked = data(5, 4, seed=3).requires_grad_()
+    assert_dicts_close(prepared(model, tracked), raw_gradient(model, tracked.detach(), loss))
+    assert tracked.grad is None and tracked.requires_grad
+    with torch.inference_mode():
+        frozen = data(5, 4, seed=4)
+    assert_dicts_close(prepared(model, frozen), raw_gradient(model, frozen.clone(), loss))
+    transposed = data(4, 5, seed=5).T
+    assert not transposed.is_contiguous()
+    assert_dicts_close(prepared(model, transposed), raw_gradient(model, transposed, loss))
+    big = data(5, 4, seed=6)
+    big[0, 0] = 1000.0
+    got = prepared(model, big)
+    assert all(g.dtype == torch.float32 for g in got.values())
+    assert_dicts_close(got, raw_gradient(model, big, loss))
+    assert_dicts_close(prepared(model, data(5, 4, seed=7)), raw_gradient(model, data(5, 4, seed=7), loss))

@@ -40,7 +40,7 @@ from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged, cut_is_an_error, derived_from
-from ._torch_modules import VERSION, ModuleDescription, bound_view, described, fresh_leaf, lease_view, release_view
+from ._torch_modules import VERSION, ModuleDescription, bound_view, described, fresh_leaf, lease_view, release_view, tensor_guard
 
 
 def _torch() -> Any:
@@ -827,6 +827,7 @@ class _FastSplit:
         self.fallback = problem.split if fallback else lambda values, kinds: None
         self.entries: tuple[Any, ...] | None = None
         self.direct = False  # every entry a module or a tensor (`arguments` builds f's arguments itself)
+        self.guards: dict[int, Any] = {}  # position -> `tensor_guard` of a Constant tensor (see `arguments`)
         entries = []
         for position, (kind, roles, bare, bare_type) in enumerate(
             zip(problem.kinds, problem.roles, problem.bare, problem.bare_types)
@@ -899,8 +900,23 @@ class _FastSplit:
         leaves: list[Any] = []
         xs: list[Any] = []
         leases: list[Any] = []
+        guards = self.guards
         for position, role, active, bare_type, meta in self.entries or ():
             value = values[position]
+            if role == "dynamic":
+                # A Constant tensor: one C++ guard for what `_checked_bare` and `_plain` read, once a call
+                # has made it (it says no to a tensor that requires grad or was made in inference mode).
+                guard = guards.get(position)
+                if guard is not None and type(value) is bare_type and guard.check(value):
+                    args.append(value)
+                    continue
+                if _checked_bare(position, role, bare_type, meta, value, described) is None:
+                    return self._rebuilt(values, leases)
+                plain = _plain(value)
+                if plain is value and guard is None:
+                    guards[position] = tensor_guard([value])
+                args.append(plain)
+                continue
             checked = _checked_bare(position, role, bare_type, meta, value, described)
             if checked is None:
                 return self._rebuilt(values, leases)
@@ -928,8 +944,6 @@ class _FastSplit:
                 leaves.append(leaf)
                 xs.append(value)
                 args.append(leaf)
-            else:
-                args.append(_plain(value))
         return args, tuple(leaves), tuple(xs), leases
 
     def _rebuilt(self, values: tuple[Any, ...], leases: list[Any] | None = None) -> tuple[list[Any], Flat, Flat, list[Any]] | None:
@@ -993,8 +1007,10 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
     lone_module = _lone_module(problem)
     tensor_type = torch.Tensor
     engine, ones_like, call = _engine(), torch.ones_like, problem.call
+    loss_guard: Any = None  # `tensor_guard` of the first call's loss, where it was the usual one
 
     def gradient(f: Callable[..., Any], /, *values: Any, **seed_kwargs: Any) -> Any:
+        nonlocal loss_guard
         got = None if seed_kwargs or len(values) != n_args or not _usable() else arguments(values)
         if got is None:
             raise SignatureChanged
@@ -1003,12 +1019,18 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
         out: Any = None
         try:
             out = call(f, args)
-            y, spec = _scalar_output(problem, out, tensor_type)
-            if type(y) is tensor_type and engine is not None and y.requires_grad:
-                # `_tape_grads` inlined for the usual scalar loss (a plain tensor): about 1 us a call
+            if loss_guard is not None and loss_guard.check(out):  # a plain 0-d floating tensor on the tape, as before
+                y, spec = out, None
                 grads = _zeros_for_unused(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), xs, op_name)
             else:
-                grads = _tape_grads(y, leaves, xs, op_name)
+                y, spec = _scalar_output(problem, out, tensor_type)
+                if type(y) is tensor_type and engine is not None and y.requires_grad:
+                    # `_tape_grads` inlined for the usual scalar loss (a plain tensor): about 1 us a call
+                    if y is out and loss_guard is None:
+                        loss_guard = tensor_guard([y])
+                    grads = _zeros_for_unused(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), xs, op_name)
+                else:
+                    grads = _tape_grads(y, leaves, xs, op_name)
         finally:
             if leases:
                 args.clear()  # a leased view goes back only if nothing of ours still holds it

@@ -82,7 +82,7 @@ class ModuleDescription:
     slot_objects: tuple[Any, ...] = ()  # what they hold, in order
     tensors: tuple[Any, ...] = ()
     tensor_metas: tuple[Any, ...] = ()  # _TENSOR_META of each tensor
-    tensor_guard: Any = None  # `_tensor_guard` of the tensors: the same answer, in one C++ call
+    tensor_guard: Any = None  # `tensor_guard` of the tensors: the same answer, in one C++ call
     module_refs: tuple[Any, ...] = ()  # weakref.ref to every visited module
     watched: tuple[Any, ...] = ()  # (index into module_refs, ((key, id(value)), ...)) where a view redirects keys
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
@@ -139,7 +139,7 @@ class ModuleDescription:
 _TENSOR_META = operator.attrgetter("requires_grad", "dtype", "shape", "device")
 
 
-def _tensor_guard(tensors: list[Any]) -> Any:
+def tensor_guard(tensors: list[Any]) -> Any:
     """A check of ``tensors`` that says yes only where each still has the type, dtype, device,
     shape, strides and ``requires_grad`` it has now: the guard that ``torch.compile`` runs on
     every call of a compiled function, one C++ pass for all tensors (4x faster than reading
@@ -235,7 +235,7 @@ def describe_module(module: Any) -> ModuleDescription:
         slot_objects=tuple(itertools.chain.from_iterable(map(dict.values, slot_dicts))),
         tensors=tuple(tensors),
         tensor_metas=tuple(map(_TENSOR_META, tensors)),
-        tensor_guard=_tensor_guard(tensors) if tensors else None,
+        tensor_guard=tensor_guard(tensors) if tensors else None,
         module_refs=tuple(map(weakref.ref, modules)),
         watched=tuple(
             (index, tuple((key, id(m.__dict__[key])) for key in redirected[id(m)]))
@@ -845,6 +845,7 @@ __all__ = [
     "fresh_leaf",
     "lease_view",
     "release_view",
+    "tensor_guard",
     "VERSION",
     "tensor_versions",
     "warn_changed_tensors",
