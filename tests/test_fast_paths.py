@@ -508,3 +508,23 @@ def test_prepared_gradient_after_its_first_call_still_takes_every_kind_of_consta
     assert all(g.dtype == torch.float32 for g in got.values())
     assert_dicts_close(got, raw_gradient(model, big, loss))
     assert_dicts_close(prepared(model, data(5, 4, seed=7)), raw_gradient(model, data(5, 4, seed=7), loss))
+
+
+def test_prepared_pullback_after_its_first_call_still_takes_every_kind_of_cotangent():
+    """After a first call the cotangent and f's output are checked by one guard each; a
+    cotangent the guard refuses (one that requires grad, another layout, another dtype) takes
+    the full checks, which give the tape's answer (a float64 cotangent of a float32 output is
+    taken as its float32 value, as it always was)."""
+    model, x = mlp(), data(5, 4)
+    params = [p for p in model.parameters()]
+    names = [name for name, _ in model.named_parameters()]
+    prepared = ad.prepare(ad.pullback, lambda m, x: m(x), Active(model), Constant(x), cotangent=data(5, 1, seed=2))
+
+    def want(ct):
+        return dict(zip(names, torch.autograd.grad(model(x), params, ct)))
+
+    for ct in (data(5, 1, seed=3), data(5, 1, seed=4).requires_grad_(), data(1, 5, seed=5).T, data(5, 1, seed=6)):
+        assert_dicts_close(prepared(model, x, cotangent=ct), want(ct.detach()))
+    wide = data(5, 1, seed=7).double()
+    assert_dicts_close(prepared(model, x, cotangent=wide), want(wide.float()))
+    assert_dicts_close(prepared(model, x, cotangent=data(5, 1, seed=8)), want(data(5, 1, seed=8)))

@@ -1136,12 +1136,20 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
     from .._operators._common import Seeds, encode_seeds  # the operators import the backends
     from .._operators.pullback import checked_cotangents
 
+    # `tensor_guard`s of the first call's cotangent and output where they took the usual path
+    # below (one tensor out, a cotangent of its shape and dtype): what later calls compare with.
+    guards: list[Any] = []
+
     def pullback(f: Callable[..., Any], /, *values: Any, **seed_kwargs: Any) -> Any:
         if len(values) != n_args or not _usable():
             raise SignatureChanged
         cotangent: Any = seed_kwargs.get("cotangent")
-        if one_tensor and len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
-            cts_given: Flat = (cotangent,)  # what `encode_seeds` makes of one tensor, without a walk
+        guarded = bool(guards) and len(seed_kwargs) == 1 and type(cotangent) is tensor_type and guards[0].check(cotangent)
+        if guarded:
+            cts_given: Flat = (cotangent,)
+            seeds = None
+        elif one_tensor and len(seed_kwargs) == 1 and type(cotangent) is tensor_type and cotangent.dtype.is_floating_point:
+            cts_given = (cotangent,)  # what `encode_seeds` makes of one tensor, without a walk
             seeds = None
         else:
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
@@ -1158,7 +1166,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
         grads: Flat | None = None
         try:
             out = problem.call(f, args)
-            if (
+            if (guarded and guards[1].check(out)) or (
                 seeds is None
                 and type(out) is tensor_type
                 and out.requires_grad
@@ -1166,6 +1174,10 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
                 and out.shape == cotangent.shape
             ):  # one tensor out, a cotangent of its shape and dtype: what the checks below pass as it is
                 ys, cts, connected = (out,), cts_given, [0]
+                if not guards:
+                    made = [tensor_guard([cotangent]), tensor_guard([out])]
+                    if None not in made:
+                        guards[:] = made
                 if engine is not None:
                     grads = _zeros_for_unused(engine.run_backward(ys, cts, False, False, leaves, True, False), xs, op_name)
             else:
