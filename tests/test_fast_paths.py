@@ -528,3 +528,38 @@ def test_prepared_pullback_after_its_first_call_still_takes_every_kind_of_cotang
     wide = data(5, 1, seed=7).double()
     assert_dicts_close(prepared(model, x, cotangent=wide), want(wide.float()))
     assert_dicts_close(prepared(model, x, cotangent=data(5, 1, seed=8)), want(data(5, 1, seed=8)))
+
+
+def test_prepared_hvp_after_its_first_call_still_takes_every_kind_of_tangent():
+    """After a first call a tangent's leaves are checked by one guard; a tangent it refuses (a
+    leaf that requires grad, another layout) is checked leaf by leaf and still gives the double
+    backward's answer, and one of float64 leaves the answer of its float32 values, as it always
+    did, for a module and for a dict."""
+    model, x = mlp(), data(5, 4)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+
+    def want(tangent):
+        grads = torch.autograd.grad(mse(model, x), params, create_graph=True)
+        return dict(zip([n for n, _ in named], torch.autograd.grad(grads, params, [t.detach() for t in tangent])))
+
+    def tangent(seed, transform=lambda t: t):
+        return [transform(data(*p.shape, seed=seed + i)) for i, (_, p) in enumerate(named)]
+
+    prepared = ad.prepare(ad.hvp, mse, Active(model), Constant(x), tangent={n: torch.ones_like(p) for n, p in named})
+    for t in (tangent(10), tangent(20, lambda t: t.requires_grad_()), tangent(30, lambda t: t.T.contiguous().T), tangent(40)):
+        assert_dicts_close(prepared(model, x, tangent=dict(zip([n for n, _ in named], t))), want(t))
+    wide = tangent(50, lambda t: t.double())
+    assert_dicts_close(prepared(model, x, tangent=dict(zip([n for n, _ in named], wide))), want([t.float() for t in wide]))
+
+    tree = {"w": data(4, 3, seed=3), "v": data(3, seed=4)}
+    loss = lambda p, x: torch.tanh(x @ p["w"] @ p["v"]).pow(2).sum()  # noqa: E731
+    tree_hvp = ad.prepare(ad.hvp, loss, Active(tree), Constant(x), tangent={"w": torch.ones(4, 3), "v": torch.ones(3)})
+    for seed, dtype in ((60, torch.float32), (70, torch.float64), (80, torch.float32)):
+        t = {"w": data(4, 3, seed=seed).to(dtype), "v": data(3, seed=seed + 1)}
+        leaves = [tree["w"].detach().requires_grad_(), tree["v"].detach().requires_grad_()]
+        grads = torch.autograd.grad(loss(dict(zip(("w", "v"), leaves)), x), leaves, create_graph=True)
+        expected = torch.autograd.grad(grads, leaves, [t["w"].float(), t["v"]])
+        got = tree_hvp(tree, x, tangent=t)
+        torch.testing.assert_close(got["w"], expected[0], **TOL)
+        torch.testing.assert_close(got["v"], expected[1], **TOL)

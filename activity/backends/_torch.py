@@ -1258,6 +1258,16 @@ def _tangent_checker(problem: Any, operator: Any) -> Callable[[Any], Any] | None
     roles = problem.roles[position]
     tensor_type = _torch().Tensor
     layouts = tuple(zip(problem.diff_shapes, problem.diff_dtypes))
+    # After a tangent has passed the checks leaf by leaf: one C++ guard of its leaves' types,
+    # dtypes, devices, shapes and layouts, for the next (another layout is checked leaf by leaf).
+    guard: list[Any] = []
+
+    def _guard_from(leaves: Any) -> None:
+        if not guard:
+            made = tensor_guard(list(leaves))
+            if made is not None:
+                guard.append(made)
+
     if problem.bare[position] and roles[0] == "module":
         description = problem._described[(position, 0)]
         names = tuple(problem.module_names[(position, 0)])
@@ -1268,13 +1278,13 @@ def _tangent_checker(problem: Any, operator: Any) -> Callable[[Any], Any] | None
         def module_tangent(tangent: Any) -> Any:
             if type(tangent) is not dict or len(tangent) != len(names):
                 return None
-            leaves = []
-            for name, (shape, dtype), device in zip(names, layouts, devices):
-                leaf: Any = tangent.get(name)
-                if type(leaf) is not tensor_type or leaf.dtype is not dtype or leaf.shape != shape or leaf.device != device:
-                    return None
-                leaves.append(leaf)
-            return Seeds(tuple(leaves), None, None)
+            leaves: tuple[Any, ...] = tuple(map(tangent.get, names))
+            if not (guard and guard[0].check(*leaves)):
+                for leaf, (shape, dtype), device in zip(leaves, layouts, devices):
+                    if type(leaf) is not tensor_type or leaf.dtype is not dtype or leaf.shape != shape or leaf.device != device:
+                        return None
+                _guard_from(leaves)
+            return Seeds(leaves, None, None)
 
         return module_tangent
     if position in problem.adapted or not all(role == "diff" for role in roles):
@@ -1285,9 +1295,11 @@ def _tangent_checker(problem: Any, operator: Any) -> Callable[[Any], Any] | None
         leaves, got = flatten(tangent)
         if got != spec or len(leaves) != len(layouts):
             return None
-        for leaf, (shape, dtype) in zip(leaves, layouts):
-            if not isinstance(leaf, tensor_type) or leaf.dtype is not dtype or leaf.shape != shape:
-                return None
+        if not (guard and guard[0].check(*leaves)):
+            for leaf, (shape, dtype) in zip(leaves, layouts):
+                if not isinstance(leaf, tensor_type) or leaf.dtype is not dtype or leaf.shape != shape:
+                    return None
+            _guard_from(leaves)
         return Seeds(tuple(leaves), None, None)
 
     return tree_tangent
