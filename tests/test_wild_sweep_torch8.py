@@ -618,6 +618,27 @@ def test_an_unused_active_leaf_next_to_a_custom_function_has_zero_second_derivat
     ):
         torch.testing.assert_close(got[0], hvp_x, **CLOSE)
         torch.testing.assert_close(got[1], zeros, **CLOSE)
+    hessian = ad.hessian(f, Active(x), Active(unused))
+    torch.testing.assert_close(hessian[0][0] @ t, hvp_x, **CLOSE)
+    torch.testing.assert_close(hessian[1][1], torch.zeros(3, 3, dtype=torch.float64))
+
+    class WithAnUnusedPooler(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.pooler = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x):
+            return OldStyleSquare.apply(self.a(x)).sin().sum()
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = WithAnUnusedPooler().double()
+    data, tangent = randn(2, 3, seed=4), tangent_for(model)
+    twin = copy.deepcopy(model)
+    grads = torch.autograd.grad(twin(data), (twin.a.weight, twin.a.bias), create_graph=True)
+    want = dict(zip(("a.weight", "a.bias"), torch.autograd.grad(grads, (twin.a.weight, twin.a.bias), (tangent["a.weight"], tangent["a.bias"]))))
+    want.update({n: torch.zeros_like(p) for n, p in model.pooler.named_parameters(prefix="pooler")})
+    assert_close_dicts(ad.hvp(lambda m, x: m(x), Active(model), Constant(data), tangent=tangent), want, **CLOSE)
 
 
 def test_lohas_module_dropout_in_train_mode_draws_like_an_eager_forward_in_every_operator():
