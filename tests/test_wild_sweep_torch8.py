@@ -688,3 +688,55 @@ def test_lohas_module_dropout_in_train_mode_draws_like_an_eager_forward_in_every
     got, after = drawn(lambda: ad.hvp(loss, Active(model), Constant(IDS), tangent=tangent))
     assert_close_dicts(got, drawn(materialized_hvp)[0], rtol=1e-6, atol=1e-9)
     assert torch.equal(after, after_eager)
+
+
+def test_attention_with_dropout_and_both_masks_in_train_mode_draws_like_an_eager_forward():
+    """``need_weights=False`` sends attention through scaled_dot_product_attention, whose dropout
+    draws inside the fused kernel (which has no forward-mode rule): every operator uses the masks
+    one eager forward draws and advances the RNG as it does."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        attention = nn.MultiheadAttention(8, 2, dropout=0.3, batch_first=True, dtype=torch.float64).train()
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    x, cotangent, tangent = randn(2, 5, 8, seed=1), randn(2, 5, 8, seed=9), tangent_for(attention)
+
+    def out(m, x, padding, causal):
+        return m(x, x, x, key_padding_mask=padding, attn_mask=causal, need_weights=False)[0]
+
+    def loss(m, x, padding, causal):
+        return out(m, x, padding, causal).pow(2).sum()
+
+    def drawn(call):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return call(), torch.get_rng_state()
+
+    def raw_pullback():
+        twin = copy.deepcopy(attention)
+        names, params = zip(*trainable(twin))
+        return dict(zip(names, torch.autograd.grad(out(twin, x, padding, causal), params, cotangent)))
+
+    data = (Constant(x), Constant(padding), Constant(causal))
+    intact = untouched(Active(attention), *data)
+    _, after_eager = drawn(lambda: out(copy.deepcopy(attention), x, padding, causal))
+    for call, reference in (
+        (lambda: ad.gradient(loss, Active(attention), *data), lambda: raw_gradient(loss, attention, x, padding, causal)),
+        (lambda: ad.pullback(out, Active(attention), *data, cotangents=[cotangent, cotangent])[1], raw_pullback),
+    ):
+        got, after = drawn(call)
+        assert_close_dicts(got, drawn(reference)[0], **CLOSE)
+        assert torch.equal(after, after_eager)
+    want = drawn(lambda: reverse_mode_pushforward(out, attention, tangent, x, padding, causal))[0]
+    for call in (
+        lambda: ad.pushforward(out, Active(attention), *data, tangent=tangent),
+        lambda: ad.pushforward(out, Active(attention), *data, tangents=[tangent, tangent])[0],
+    ):
+        got, after = drawn(call)
+        torch.testing.assert_close(got, want, **CLOSE)
+        assert torch.equal(after, after_eager)
+    got, after = drawn(lambda: ad.jacobian(out, Constant(attention), Active(x), Constant(padding), Constant(causal)))
+    want = drawn(lambda: torch.autograd.functional.jacobian(lambda x: out(copy.deepcopy(attention), x, padding, causal), x))[0]
+    torch.testing.assert_close(got, want, **CLOSE)
+    assert torch.equal(after, after_eager) and intact()
