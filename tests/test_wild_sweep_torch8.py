@@ -16,6 +16,7 @@ were.
 from __future__ import annotations
 
 import copy
+import functools
 
 import accelerate
 import einops
@@ -423,6 +424,24 @@ def test_a_constant_model_offloaded_by_accelerate_gives_input_derivatives():
         torch.testing.assert_close(ad.gradient(loss, Constant(model), Active(x)), want, **CLOSE)
         torch.testing.assert_close(prepared(model, x), want, **CLOSE)
     torch.testing.assert_close(ad.jacobian(lambda m, x: m(x), Constant(model), Active(x0)), torch.autograd.functional.jacobian(twin, x0), **CLOSE)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_an_offloaded_model_as_the_active_argument_is_refused_by_parameter(prepared):
+    """Its parameters hold no values (accelerate loads fresh tensors inside each forward, and
+    its loader could not rebuild a view's tensor: a TypeError deep inside accelerate)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    x = randn(5, 3, seed=1)
+
+    def loss(m, x):
+        return m(x).pow(2).sum()
+
+    call = ad.prepare(ad.gradient, loss, Active(model), Constant(x)) if prepared else functools.partial(ad.gradient, loss)
+    with pytest.raises(TypeError, match=r"argument 0 .* parameter '0\.weight' is on the meta device.*accelerate offloads.*Constant"):
+        call(Active(model), Constant(x))
 
 
 # ---------------------------------------------------------------- torch's own
