@@ -527,6 +527,16 @@ class Problem:
         """The torch modules of the arguments, as last described."""
         return [module for module in (d.module for d in self._described.values()) if module is not None]
 
+    def parameter_without_values(self) -> str | None:
+        """Where the first differentiated parameter of an Active module on the meta device is
+        (for messages), or None: such a parameter holds no values to differentiate at."""
+        for (position, _), described in self._described.items():
+            if self.kinds[position] == "active":
+                for name, param in zip(described.names, described.params):
+                    if param.is_meta:
+                        return f"{self.label(position)} is {a(type(described.module).__name__)} whose parameter '{name}'"
+        return None
+
     # --------------------------------------------------------------- per call
 
     @overload

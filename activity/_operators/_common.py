@@ -19,7 +19,7 @@ from .._annotations import Annotation
 from .._errors import UnsupportedError, drop_jax_note
 from .._problem import HAS_AUX, Arguments, Problem, Traced, a, describe_type, float_advice, parse_call
 from .._tree import flatten, leaf_paths
-from ..backends import Backend, resolve_backend
+from ..backends import Backend, placeholders_are_allowed, resolve_backend
 from ..backends._base import SignatureChanged, stack_batch
 
 
@@ -200,11 +200,26 @@ class Plan:
                 )
         self.operator, self.backend, self.f, self.options = operator, backend, f, options
         self.problem = Problem(operator.name, kinds, values, backend, wheres, keywords)
+        if not placeholders_are_allowed():
+            self._refuse_parameters_without_values()
         if operator.scalar_input:
             self._check_scalar_inputs(values)
         self.seeds = encode_seeds(operator, self.problem, seed_kwargs)
         self.seed_key = None if self.seeds is None else self.seeds.key
         self.pipeline = self.source_pipeline = operator.build(self.problem, f, backend, self.seeds, **options)
+
+    def _refuse_parameters_without_values(self) -> None:
+        where = self.problem.parameter_without_values()
+        if where is not None:
+            # accelerate's offloading loads such weights into fresh tensors inside the forward:
+            # they are not the parameters, and its loader cannot rebuild a view's tensor (a TypeError deep inside).
+            raise TypeError(
+                f"activity.{self.operator.name}: {where} is on the meta device: it holds no values to "
+                f"differentiate at (a model built on the meta device, or one whose weights accelerate offloads "
+                f"with cpu_offload, disk_offload or a device_map and loads only inside its forward). Load the "
+                f"weights onto a real device to differentiate the model; to differentiate other arguments "
+                f"through it, pass it as Constant(...)."
+            )
 
     def _check_scalar_inputs(self, values: tuple[Any, ...]) -> None:
         problem = self.problem

@@ -31,6 +31,10 @@ def placeholders_allowed() -> Iterator[None]:
         _PLACEHOLDERS_ALLOWED.reset(token)
 
 
+def placeholders_are_allowed() -> bool:
+    return _PLACEHOLDERS_ALLOWED.get()
+
+
 def describe_placeholder(leaf: Any) -> str:
     if arrays.is_jax_placeholder(leaf):
         return f"a jax.ShapeDtypeStruct of shape {tuple(leaf.shape)} and dtype {leaf.dtype}"

@@ -1066,7 +1066,8 @@ def _gradient_with_graph(
     its first call only: the walk visits every node of the graph)."""
     if not y.requires_grad:
         raise _disconnected(op_name)
-    grads = _zeros_for_unused(_backward((y,), (_torch().ones_like(y),), leaves, create_graph=True), xs, op_name)
+    first_pass = _backward((y,), (_torch().ones_like(y),), leaves, create_graph=True)
+    grads = _zeros_for_unused(first_pass, xs, op_name)
     live = [i for i, g in enumerate(grads) if g.requires_grad]
     if look_for_once_differentiable and live and _holds_error_node([grads[i] for i in live]):
         # A custom backward marked @once_differentiable gave its part of these gradients behind
@@ -1075,7 +1076,10 @@ def _gradient_with_graph(
         # second derivative). Forward over reverse is no way out: there the mark detaches that
         # part, dropping its tangent. Not a transform limit, so no other path is tried.
         raise RuntimeError(_ONCE_DIFFERENTIABLE)
-    if not cut_is_zero and len(live) < len(grads) and any(arrays.size(xs[i]) for i in range(len(xs)) if i not in live):
+    # A leaf f does not use (no gradient at all: a LoRA adapter that peft's module dropout
+    # skipped, an unused pooler) has zero second derivatives whatever f's operations are.
+    cut = [i for i, g in enumerate(first_pass) if g is not None and not g.requires_grad and arrays.size(xs[i])]
+    if not cut_is_zero and cut:
         # torch's own backward formulas record their graph: a gradient without one does not
         # depend on the leaf (f is linear in it), a zero second derivative. A custom Function's
         # backward may not record it (@once_differentiable), so there forward over reverse decides.
