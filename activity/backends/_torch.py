@@ -76,9 +76,11 @@ _TRANSFORM_LIMITS = (
 _NO_SECOND_ORDER = (
     "activity (AutoTorch): an operation in f has neither a forward-mode rule nor a differentiable backward in "
     "this torch version, so no second-order derivative can be taken through it (a custom autograd.Function "
-    "with @once_differentiable and no jvp has neither, too). scaled_dot_product_attention's "
-    "fused kernels have neither: run f under torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or build a Hugging "
-    "Face model with attn_implementation='eager'."
+    "with @once_differentiable and no jvp has neither, too)."
+)
+_FUSED_ATTENTION = (
+    " scaled_dot_product_attention's fused kernels have neither: run f under "
+    "torch.nn.attention.sdpa_kernel(SDPBackend.MATH), or build a Hugging Face model with attn_implementation='eager'."
 )
 
 _ONE_HVP_PATH = (
@@ -440,7 +442,9 @@ class AutoTorch(Backend):
         except (RuntimeError, NotImplementedError) as error:
             if _is_transform_limit(error):  # torch has neither second-order path for an operation in f
                 add_note(error, f"({_HVP_PATHS[first]} failed too: {str(first_error).splitlines()[0][:200]})")
-                add_note(error, _NO_SECOND_ORDER)
+                # torch's messages name the operation: the attention advice only where it is attention
+                attention = "attention" in f"{error} {first_error}".lower()
+                add_note(error, _NO_SECOND_ORDER + (_FUSED_ATTENTION if attention else ""))
             raise
 
 
