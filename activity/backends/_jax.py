@@ -506,7 +506,12 @@ def _explain_forward_custom_vjp(error: TypeError) -> None:
         f"{_FORWARD_NOTE}, e.g. jax.experimental.ode.odeint.) activity.gradient and activity.pullback "
         f"differentiate f in reverse mode; activity.jacobian does too when f has no more outputs than inputs "
         f"(otherwise pullback with cotangents=[one per output entry]). For activity.hvp and activity.hessian pass "
-        f'backend=activity.SecondOrder(activity.AutoJAX(), activity.AutoJAX(), mode="reverse-over-reverse").',
+        f'backend=activity.SecondOrder(activity.AutoJAX(), activity.AutoJAX(), mode="reverse-over-reverse"). '
+        # Reverse over reverse fails inside diffrax's reverse-only adjoints too (a while loop,
+        # a filter_custom_vjp), so there the way out is the solver's own forward-capable option.
+        f"A diffrax.diffeqsolve differentiates in reverse mode only, once, with its default adjoint "
+        f"(RecursiveCheckpointAdjoint) or BacksolveAdjoint: pass adjoint=diffrax.DirectAdjoint() for "
+        f"forward mode and second derivatives, or adjoint=diffrax.ForwardMode() for forward mode.",
     )
 
 
