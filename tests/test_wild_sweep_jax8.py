@@ -69,7 +69,7 @@ def energy(field, y0, k):
 def test_diffrax_default_adjoint_prepared_on_new_initial_conditions_and_its_second_order_refusal():
     """The default adjoint (RecursiveCheckpointAdjoint) prepared and called on two new initial
     conditions against ``eqx.filter_grad``; an hvp through it is JAX's refusal of forward mode,
-    and as reverse over reverse fails there too, its note names the adjoints that go forward
+    and, as reverse over reverse fails there too (with a note of its own), its note names the adjoints that go forward
     (DirectAdjoint's hvp and ForwardMode's pushforward were checked against ``jax.jvp`` outside
     the suite: seconds of compiling each)."""
     field = Field(0.5 * normal(0, 2, 2), 0.1 * normal(1, 2))
@@ -79,9 +79,16 @@ def test_diffrax_default_adjoint_prepared_on_new_initial_conditions_and_its_seco
     for data in ((2 * y0, k), (-y0, k + 1)):
         assert_trees(prepared(field, *data), reference(field, *data))
 
+    tangent = Field(jnp.ones((2, 2)), jnp.ones(2))
     with pytest.raises(TypeError, match="custom_vjp") as caught:
-        ad.hvp(energy, Active(field), Constant(y0), Constant(k), tangent=Field(jnp.ones((2, 2)), jnp.ones(2)))
+        ad.hvp(energy, Active(field), Constant(y0), Constant(k), tangent=tangent)
     assert any("adjoint=diffrax.DirectAdjoint()" in note for note in caught.value.__notes__)
+    # The way that note names for a custom_vjp of the user's own, reverse over reverse, meets
+    # the while loop of diffrax's backward pass: its note says so and names the adjoint again.
+    reverse = ad.SecondOrder(ad.AutoJAX(), ad.AutoJAX(), mode="reverse-over-reverse")
+    with pytest.raises(ValueError, match="while_loop") as caught:
+        ad.hvp(energy, Active(field), Constant(y0), Constant(k), tangent=tangent, backend=reverse)
+    assert any("f's gradient in reverse mode" in note and "DirectAdjoint()" in note for note in caught.value.__notes__)
 
 
 # ------------------------------------------------------------ optimistix and lineax

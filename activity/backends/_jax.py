@@ -477,7 +477,22 @@ def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
     operators work and why a prepared call may refuse what an unprepared one took: JAX raises
     it after f has run, so f's own note is not on it."""
     notes, problem = getattr(error, "__notes__", []), getattr(F, "problem", None)
+    source = getattr(F, "source", None)  # F is f's gradient, differentiated again (reverse over reverse)
+    if source is not None:
+        problem = getattr(source, "problem", None)
     if _REVERSE_LOOP not in str(error) or problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+        return
+    if source is not None:
+        # The first reverse pass went through, so the loop is in f's derivative: a jax.custom_vjp
+        # rule's backward pass (diffrax's adjoints) that JAX cannot differentiate in reverse again.
+        add_note(
+            error,
+            f"{_REVERSE_NOTE}{problem.op_name} on {problem.backend!r} differentiated f's gradient in reverse mode) "
+            f"The loop is in f's derivative (the backward pass of a jax.custom_vjp rule, as in diffrax's "
+            f"adjoints), which JAX cannot differentiate in reverse mode. Where f has a form JAX "
+            f"differentiates in forward mode, the default backend's hvp and hessian (forward over "
+            f"reverse) take it: for a diffrax.diffeqsolve, adjoint=diffrax.DirectAdjoint().",
+        )
         return
     add_note(
         error,
