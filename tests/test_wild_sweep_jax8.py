@@ -149,6 +149,12 @@ def test_lineax_solve_of_an_active_matrix_and_of_an_active_operator():
         want = jax.jvp(jax.grad(lambda A: solve(A, data[1])), (data[0],), (jnp.eye(3),))[1]
         assert_trees(prepared(*data, tangent=jnp.eye(3)), want)
 
+    # A singular matrix fails lineax's runtime check (equinox.error_if) inside the prepared call,
+    # compiled by activity with jax.jit: Equinox's advice to use equinox.filter_jit does not apply.
+    with pytest.raises(RuntimeError, match="nonsingular") as caught:
+        prepared(jnp.zeros((3, 3)), b, tangent=jnp.eye(3))
+    assert any("prepared) A runtime check inside f failed" in note for note in caught.value.__notes__)
+
     def solve_operator(operator, b):
         return jnp.sum(jnp.tanh(lx.linear_solve(operator, b, lx.LU()).value))
 
