@@ -22,6 +22,7 @@ import pytest
 
 import activity as ad
 from activity import Active, Constant
+from activity.testing import check
 
 from _sweeps import assert_trees, normal
 
@@ -89,6 +90,9 @@ def test_diffrax_default_adjoint_prepared_on_new_initial_conditions_and_its_seco
     with pytest.raises(ValueError, match="while_loop") as caught:
         ad.hvp(energy, Active(field), Constant(y0), Constant(k), tangent=tangent, backend=reverse)
     assert any("f's gradient in reverse mode" in note and "DirectAdjoint()" in note for note in caught.value.__notes__)
+    # The testing kit's report line keeps that advice: JAX's message alone does not say what to do.
+    with pytest.raises(AssertionError, match=r"pushforward\[u0\].*adjoint=diffrax\.DirectAdjoint\(\)"):
+        check(energy, Active(field), Constant(y0), Constant(k), operators=["pushforward"], directions=1)
 
 
 # ------------------------------------------------------------ optimistix and lineax
