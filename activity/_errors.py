@@ -49,6 +49,26 @@ def drop_jax_note(error: BaseException) -> None:
         error.__suppress_context__ = cause.__suppress_context__
 
 
+_EQUINOX_JIT_ADVICE = "Please wrap your program with `equinox.filter_jit`"
+
+
+def explain_runtime_check(error: BaseException, call: str) -> None:
+    """Say, on a runtime check inside f that failed in a prepared call (``equinox.error_if``:
+    lineax's singular operator, optimistix's divergence), that the message is f's and that
+    Equinox's advice to wrap the program with ``equinox.filter_jit`` does not apply: activity
+    compiled the call with ``jax.jit``, where Equinox cannot say more. ``call`` names the
+    prepared call (``"gradient with backend AutoJAX()"``)."""
+    if _EQUINOX_JIT_ADVICE not in str(error) or any(str(n).startswith(RAISED_BY_F) for n in getattr(error, "__notes__", [])):
+        return
+    add_note(
+        error,
+        f"{RAISED_BY_F}{call}, prepared) A runtime check inside f failed (equinox.error_if, as lineax "
+        f"and optimistix use): its message is above. Equinox's advice to wrap the program with "
+        f"equinox.filter_jit does not apply: activity compiled this call itself; the unprepared "
+        f"operator, called on the same values, raises the check with Equinox's own stack.",
+    )
+
+
 # Frames a warning walks past to reach the user's call: activity's own, and those of the
 # frameworks that run f (a warning may be raised while JAX traces, or inside torch's dispatch).
 _LIBRARY_FRAMES = ("activity", "jax", "jaxlib", "torch")

@@ -9,7 +9,7 @@ from typing import Any, Callable, Generic, ParamSpec, Sequence, TypeVar, overloa
 
 from . import _arrays as arrays
 from ._annotations import Annotation
-from ._errors import PreparationMismatchError, caller_stacklevel, drop_jax_note
+from ._errors import PreparationMismatchError, caller_stacklevel, drop_jax_note, explain_runtime_check
 from ._operators._common import (
     Operator,
     Plan,
@@ -120,6 +120,7 @@ class Prepared(Generic[R]):
             except self._direct_misses:
                 pass  # the checked path, outside this handler: its error is not chained to the miss
             except Exception as error:
+                explain_runtime_check(error, f"{self.operator} with backend {self.backend!r}")
                 drop_jax_note(error)
                 raise
             else:
@@ -152,11 +153,11 @@ class Prepared(Generic[R]):
                         self._local.call = None
         return self._checked_call(args, seed_kwargs)
 
-    @staticmethod
-    def _reported(call: Callable[..., Any], *args: Any) -> Any:
+    def _reported(self, call: Callable[..., Any], *args: Any) -> Any:
         try:
             return call(*args)
         except Exception as error:
+            explain_runtime_check(error, f"{self.operator} with backend {self.backend!r}")
             drop_jax_note(error)
             raise
 

@@ -226,6 +226,7 @@ def derived_from(F: FlatFunction, derivative: FlatFunction) -> FlatFunction:
     second derivative (f linear in that input), not f's output cut from its inputs."""
     derivative.derived = True  # type: ignore[attr-defined]
     derivative.op_name = getattr(F, "op_name", None)  # type: ignore[attr-defined]
+    derivative.source = F  # type: ignore[attr-defined]  # for messages about the call it came from
     return derivative
 
 

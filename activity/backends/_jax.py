@@ -477,7 +477,22 @@ def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
     operators work and why a prepared call may refuse what an unprepared one took: JAX raises
     it after f has run, so f's own note is not on it."""
     notes, problem = getattr(error, "__notes__", []), getattr(F, "problem", None)
+    source = getattr(F, "source", None)  # F is f's gradient, differentiated again (reverse over reverse)
+    if source is not None:
+        problem = getattr(source, "problem", None)
     if _REVERSE_LOOP not in str(error) or problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+        return
+    if source is not None:
+        # The first reverse pass went through, so the loop is in f's derivative: a jax.custom_vjp
+        # rule's backward pass (diffrax's adjoints) that JAX cannot differentiate in reverse again.
+        add_note(
+            error,
+            f"{_REVERSE_NOTE}{problem.op_name} on {problem.backend!r} differentiated f's gradient in reverse mode) "
+            f"The loop is in f's derivative (the backward pass of a jax.custom_vjp rule, as in diffrax's "
+            f"adjoints), which JAX cannot differentiate in reverse mode. Where f has a form JAX "
+            f"differentiates in forward mode, the default backend's hvp and hessian (forward over "
+            f"reverse) take it: for a diffrax.diffeqsolve, adjoint=diffrax.DirectAdjoint().",
+        )
         return
     add_note(
         error,
@@ -506,7 +521,12 @@ def _explain_forward_custom_vjp(error: TypeError) -> None:
         f"{_FORWARD_NOTE}, e.g. jax.experimental.ode.odeint.) activity.gradient and activity.pullback "
         f"differentiate f in reverse mode; activity.jacobian does too when f has no more outputs than inputs "
         f"(otherwise pullback with cotangents=[one per output entry]). For activity.hvp and activity.hessian pass "
-        f'backend=activity.SecondOrder(activity.AutoJAX(), activity.AutoJAX(), mode="reverse-over-reverse").',
+        f'backend=activity.SecondOrder(activity.AutoJAX(), activity.AutoJAX(), mode="reverse-over-reverse"). '
+        # Reverse over reverse fails inside diffrax's reverse-only adjoints too (a while loop,
+        # a filter_custom_vjp), so there the way out is the solver's own forward-capable option.
+        f"A diffrax.diffeqsolve differentiates in reverse mode only, once, with its default adjoint "
+        f"(RecursiveCheckpointAdjoint) or BacksolveAdjoint: pass adjoint=diffrax.DirectAdjoint() for "
+        f"forward mode and second derivatives, or adjoint=diffrax.ForwardMode() for forward mode.",
     )
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _arrays as arrays
 from .._annotations import Annotation
+from .._errors import RAISED_BY_F
 from .._problem import describe_type
 from .._tree import flatten, unflatten
 from ..backends import resolve_backend
@@ -152,7 +153,7 @@ def check(
                 first = call()
                 second = call()
             except Exception as error:  # noqa: BLE001 - reported as a failure of this operator
-                report.failed.append(f"{name} on {label}: raised {type(error).__name__}: {str(error)[:300]}")
+                report.failed.append(f"{name} on {label}: raised {type(error).__name__}: {str(error)[:300]}{_advice(error)}")
                 return None
             try:
                 assert_tree_allclose(second, first, rtol=1e-6, atol=1e-7)
@@ -206,6 +207,16 @@ _NOT_FINITE = (
     "the reference's derivative is not finite here: f is not differentiable at this point (a domain "
     "edge such as sqrt or log at 0, where a step leaves the domain); move the point inside the domain"
 )
+
+
+def _advice(error: Exception) -> str:
+    """The note of activity's that says what to do instead (forward mode through a custom_vjp:
+    which operators and backends work), which a report line keeps: JAX's own message alone
+    does not say it. Not the note naming the call, which the line says already."""
+    for note in getattr(error, "__notes__", []):
+        if isinstance(note, str) and note.startswith("(") and "activity." in note and not note.startswith(RAISED_BY_F):
+            return f" {note}"
+    return ""
 
 
 def _finite(tree: Any) -> bool:
