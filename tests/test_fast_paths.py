@@ -563,3 +563,21 @@ def test_prepared_hvp_after_its_first_call_still_takes_every_kind_of_tangent():
         got = tree_hvp(tree, x, tangent=t)
         torch.testing.assert_close(got["w"], expected[0], **TOL)
         torch.testing.assert_close(got["v"], expected[1], **TOL)
+
+
+def test_prepared_hvp_gives_owned_zeros_when_a_later_call_takes_a_branch_whose_double_backward_is_a_zero_tensor():
+    """After a first call the products are checked by one guard; torch's immutable ZeroTensor (the
+    double backward of abs) on a later call is refused by it and still becomes zeros the caller
+    may write to, as on the first call (against the analytic Hessian-vector products)."""
+
+    def f(x, c):
+        return (x**3).sum() if bool(c > 0) else x.abs().sum()
+
+    x, t = data(3, seed=1), data(3, seed=2)
+    prepared = ad.prepare(ad.hvp, f, Active(x), Constant(torch.tensor(1.0)), tangent=t)
+    torch.testing.assert_close(prepared(x, torch.tensor(1.0), tangent=t), 6 * x * t, **TOL)
+    zeros = prepared(x, torch.tensor(-1.0), tangent=t)
+    assert not zeros._is_zerotensor()
+    zeros += 1.0  # owned, writable
+    torch.testing.assert_close(zeros, torch.ones(3))
+    torch.testing.assert_close(prepared(x, torch.tensor(2.0), tangent=t), 6 * x * t, **TOL)

@@ -1072,7 +1072,16 @@ def _gradient_with_graph(
         raise _disconnected(op_name)
     first_pass = _backward((y,), (_torch().ones_like(y),), leaves, create_graph=True)
     grads = _zeros_for_unused(first_pass, xs, op_name)
-    live = [i for i, g in enumerate(grads) if g.requires_grad]
+    # One pass over the gradients (each read is a cache miss after the backward pass): those with a
+    # graph, and whether a gradient of a leaf f uses came back without one.
+    live: list[int] = []
+    cut = False
+    for i, g in enumerate(first_pass):
+        if g is not None:
+            if g.requires_grad:
+                live.append(i)
+            elif not cut:
+                cut = arrays.size(xs[i]) > 0
     if look_for_once_differentiable and live and _holds_error_node([grads[i] for i in live]):
         # A custom backward marked @once_differentiable gave its part of these gradients behind
         # a node that raises only if run, and that torch's second pass never runs: it is cut
@@ -1082,7 +1091,6 @@ def _gradient_with_graph(
         raise RuntimeError(_ONCE_DIFFERENTIABLE)
     # A leaf f does not use (no gradient at all: a LoRA adapter that peft's module dropout
     # skipped, an unused pooler) has zero second derivatives whatever f's operations are.
-    cut = [i for i, g in enumerate(first_pass) if g is not None and not g.requires_grad and arrays.size(xs[i])]
     if not cut_is_zero and cut:
         # torch's own backward formulas record their graph: a gradient without one does not
         # depend on the leaf (f is linear in it), a zero second derivative. A custom Function's
@@ -1333,10 +1341,13 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
     # the same operations call after call (as `forward_over_reverse` assumes), and the walk that
     # finds one costs about a microsecond per graph node, a fifth of a small model's call.
     checked_once = False
+    # `tensor_guard` of a call's products where each was a plain tensor (no leaf without one, no
+    # immutable ZeroTensor, see `_materialized`): later calls check them in one C++ call.
+    products_guard: Any = None
     from .._operators._common import encode_seeds  # the operators import the backends
 
     def hvp(*values: Any, **seed_kwargs: Any) -> Any:
-        nonlocal checked_once
+        nonlocal checked_once, products_guard
         if len(values) != n_args or not _usable():
             raise SignatureChanged
         if forward_over_reverse:
@@ -1344,6 +1355,7 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
         seeds = None
         if tangent_seeds is not None and len(seed_kwargs) == 1 and seed_kwargs.get("tangent") is not None:
             seeds = tangent_seeds(seed_kwargs["tangent"])
+        exact = seeds is not None  # `tangent_seeds` passes only leaves of the parameters' dtypes
         if seeds is None:
             seeds = _encoded_seeds(encode_seeds, operator, problem, seed_kwargs)
         if seeds.key != seed_key:
@@ -1363,7 +1375,8 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
             checked_once = True
             hvps: Flat = (None,) * len(xs)
             if live:
-                ts = tuple(backend.as_tangent(seeds.leaves[i], grads[i].dtype) for i in live)
+                tangents = seeds.leaves
+                ts = tuple(tangents[i] for i in live) if exact else tuple(backend.as_tangent(tangents[i], grads[i].dtype) for i in live)
                 hvps = _backward(tuple(grads[i] for i in live), ts, leaves)
         except (RuntimeError, NotImplementedError) as error:
             if fallback is None and _is_transform_limit(error):  # as in `AutoTorch.value_and_hvp`
@@ -1382,7 +1395,11 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
                 args.clear()  # as in `_tape_gradient`
                 out = None
                 _release(leases)
-        hvps = tuple(map(_materialized, hvps, xs))
+        if products_guard is None or not products_guard.check(*hvps):
+            materialized = tuple(map(_materialized, hvps, xs))
+            if products_guard is None and all(m is h for m, h in zip(materialized, hvps)):
+                products_guard = tensor_guard(list(hvps))
+            hvps = materialized
         result = dict(zip(problem.module_names[lone_module], hvps)) if lone_module else problem.like_active(hvps)
         if not with_gradient:
             return result
