@@ -95,3 +95,24 @@ def assert_trees(actual, expected, **tolerance):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), err_msg=jax.tree_util.keystr(path), **tolerance)
         compared += 1
     assert compared, "no leaf compared"
+
+
+def nnx_snapshot(module):
+    """A copy of an NNX module's state as numpy arrays (random keys as their data), to compare after."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    def copied(a):
+        return np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
+
+    return jax.tree_util.tree_map(copied, nnx.state(module))
+
+
+def assert_same_state(before, after):
+    """Two `nnx_snapshot`s are equal: the same structure, every leaf exactly."""
+    import jax
+
+    assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
+    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
+        np.testing.assert_array_equal(a, b)

@@ -22,22 +22,7 @@ from jax.experimental.ode import odeint
 import activity as ad
 from activity import Active, Constant
 
-from _sweeps import assert_trees, normal
-
-
-def nnx_snapshot(module):
-    from flax import nnx
-
-    def copied(a):
-        return np.asarray(jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a)
-
-    return jax.tree_util.tree_map(copied, nnx.state(module))
-
-
-def assert_same_state(before, after):
-    assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
-    for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
-        np.testing.assert_array_equal(a, b)
+from _sweeps import assert_same_state, assert_trees, nnx_snapshot, normal
 
 
 # ------------------------------------------------------------ saliency of models held constant
