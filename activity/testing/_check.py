@@ -177,8 +177,13 @@ def check(
             if "hvp" in chosen:
                 hvp = run(f"hvp[u{i}]", lambda u=u: ad.hvp(f, *args, tangent=u, backend=backend))  # type: ignore[misc]
                 if hvp is not None:
-                    # finite differences of the backend's gradient (checked above) along u
-                    outer = ad.SecondOrder(reference, backend) if isinstance(reference, AutoFiniteDifferences) else reference
+                    # finite differences of the backend's gradient along u, where that gradient agrees
+                    # with the reference along u; else of the reference's own gradient: a wrong
+                    # gradient's derivative would agree with a hvp wrong the same way
+                    trusted = isinstance(reference, AutoFiniteDifferences) and _gradient_agrees(
+                        f, args, backend, u, ref_jvps[i], rtol, atol
+                    )
+                    outer = ad.SecondOrder(reference, backend) if trusted else reference
                     expected = reference_call(lambda u=u: ad.hvp(f, *args, tangent=u, backend=outer))  # type: ignore[misc]
                     compare(f"hvp[u{i}] on {label} vs the reference's derivative of the gradient", hvp, expected, True)
         if "pushforward" in chosen and len(tangents) > 1:
@@ -217,6 +222,18 @@ def _advice(error: Exception) -> str:
         if isinstance(note, str) and note.startswith("(") and "activity." in note and not note.startswith(RAISED_BY_F):
             return f" {note}"
     return ""
+
+
+def _gradient_agrees(f: Callable[..., Any], args: tuple[Annotation[Any], ...], backend: Any, u: Any, ref_jvp: Any, rtol: float, atol: float) -> bool:
+    """Whether ``backend``'s gradient of ``f`` along ``u`` agrees with the reference's ``ref_jvp``
+    (the check of ``gradient``, also where that operator was not chosen)."""
+    import activity as ad
+
+    try:
+        assert_tree_allclose(_dot(ad.gradient(f, *args, backend=backend), u), to_float64(ref_jvp), rtol=rtol, atol=atol)
+    except Exception:  # noqa: BLE001 - a gradient that raises or disagrees is no reference
+        return False
+    return True
 
 
 def _finite(tree: Any) -> bool:
