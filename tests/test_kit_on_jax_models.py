@@ -57,6 +57,15 @@ def test_hvp_of_a_layer_whose_custom_jvp_is_wrong_in_both_modes_fails_even_alone
     assert report.passed and not report.failed and not report.unreliable
 
 
+def test_hessian_of_a_layer_whose_custom_jvp_is_wrong_in_both_modes_fails_even_alone():
+    """The full Hessian's reference takes the same rule as the hvp's: the backend's gradient is
+    differentiated only where it agrees with the reference (else its wrong Hessian would agree)."""
+    with pytest.raises(AssertionError, match="hessian on AutoJAX"):
+        check(_loss, Active(_mlp(_wrong_tanh(1.01))), Constant(X), operators=["hessian"], directions=1)
+    report = check(_loss, Active(_mlp(_wrong_tanh(1.0))), Constant(X), operators=["hessian"], directions=1)
+    assert report.passed and not report.failed and not report.unreliable
+
+
 @attrs.frozen
 class HvpOnePercentOff(ad.AutoJAX):
     def value_and_hvp(self, F, xs, ts, batched):
