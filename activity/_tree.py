@@ -10,7 +10,9 @@ round-trips the way its own library defines:
 2. types registered with JAX (Equinox modules) use JAX's flatten/unflatten;
 3. types registered with torch's pytree (Hugging Face ``ModelOutput``), once
    torch is imported, use torch's;
-4. other attrs and dataclass instances are flattened field by field (a
+4. a ``collections.UserDict`` (Hugging Face's ``BatchEncoding``) item by item, a
+   torch_geometric ``Data`` or ``Batch`` attribute by attribute;
+5. other attrs and dataclass instances are flattened field by field (a
    dataclass that is also a mapping, item by item).
 """
 
@@ -21,6 +23,7 @@ import dataclasses
 import functools
 import sys
 import types
+import weakref
 from typing import Any, Callable
 
 import attrs
@@ -259,6 +262,45 @@ def _register_user_dict_node(cls: type) -> None:
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
+def _is_pyg_data(cls: type) -> bool:
+    """Whether ``cls`` is a torch_geometric ``Data`` (a ``Batch`` of graphs included)."""
+    data = sys.modules.get("torch_geometric.data")  # a type of a library not imported cannot be this one
+    return data is not None and issubclass(cls, data.Data)
+
+
+def _register_pyg_data_node(cls: type) -> None:
+    """A torch_geometric ``Data`` or ``Batch`` (a graph: ``x``, the int ``edge_index``, a
+    ``batch`` vector) keeps its attributes in one storage, ``data._store``: flattened attribute
+    by attribute, so another graph of the same sizes is new values of one signature, not a
+    different constant (a ``Data`` compares by identity), and a graph of other sizes is told
+    by the attribute that changed. The storage's private attributes (a ``Batch``'s
+    ``_slice_dict``, ``_inc_dict``, ``_num_graphs``, what ``to_data_list()`` reads) and the
+    object's own are children too, never carried over stale from the preparation values;
+    its cache of attribute kinds is left to rebuild itself. Rebuilt without ``__setattr__``,
+    which would drop an attribute set to the ``None`` a result holds at an int leaf."""
+
+    def flatten(node: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
+        store = vars(node)["_store"]
+        keys = tuple(store._mapping)
+        private = tuple(name for name in vars(store) if name not in ("_mapping", "_parent", "_cached_attr"))
+        own = tuple(name for name in vars(node) if name != "_store")
+        children = [*store._mapping.values(), *(vars(store)[name] for name in private), *(vars(node)[name] for name in own)]
+        paths = (*("." + key for key in keys), *("." + name for name in (*private, *own)))
+        return children, (type(store), keys, private, own), paths
+
+    def unflatten(context: tuple[type, tuple[str, ...], tuple[str, ...], tuple[str, ...]], children: Any) -> Any:
+        storage, keys, private, own = context
+        children = list(children)
+        node = cls.__new__(cls)  # type: ignore[call-overload]
+        store = storage.__new__(storage)  # type: ignore[call-overload]
+        vars(store).update(_mapping=dict(zip(keys, children)), _parent=weakref.ref(node))
+        vars(store).update(zip(private, children[len(keys) :]))
+        vars(node).update(zip(own, children[len(keys) + len(private) :]), _store=store)
+        return node
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+
+
 def _fields(cls: type) -> list[tuple[str, bool]] | None:
     if attrs.has(cls):
         return [(a.name, a.init) for a in attrs.fields(cls)]
@@ -286,6 +328,9 @@ def _learn_type(value: Any) -> bool:
         _node_types[cls] = True
     elif isinstance(value, collections.UserDict):
         _register_user_dict_node(cls)
+        _node_types[cls] = True
+    elif _is_pyg_data(cls):
+        _register_pyg_data_node(cls)
         _node_types[cls] = True
     elif (fields := _fields(cls)) is not None:
         if issubclass(cls, collections.abc.Mapping):
