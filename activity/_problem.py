@@ -749,9 +749,10 @@ class Problem:
         """``f(*values)``, the keyword arguments by name; an error it raises keeps its type and
         traceback, with a note saying where. Where the arguments hold torch modules, hooks f
         registers on them are taken off again, and on the first call writes f makes to their
-        tensors outside the tape are warned of (`backends._torch_modules.watched_call`), and inside
+        tensors outside the tape are warned of (`backends._torch_modules.watched_call`), inside
         ``torch.nn.utils.parametrize.cached()`` f runs with a parametrization cache of its own
-        (`backends._torch_parametrize`)."""
+        (`backends._torch_parametrize`), and with pyro loaded its parameter store holds the views'
+        tensors while f runs (`backends._torch_pyro`)."""
         described = self._described
         if described:
             parametrize = self._parametrize
@@ -764,6 +765,12 @@ class Problem:
                 from .backends._torch_parametrize import apart_from_the_cache
 
                 run = apart_from_the_cache(parametrize, run)
+            pyro_runtime = sys.modules.get("pyro.poutine.runtime")
+            if pyro_runtime is not None:  # pyro's global parameter store holds the views' tensors while f runs
+                from .backends._torch_pyro import apart_from_the_param_store, replaced_parameters
+
+                pairs = [(d.module, flatten(values[position])[0][index]) for (position, index), d in described.items()]
+                run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, replaced_parameters(pairs), run)
             if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
                 watch = sys.modules["activity.backends._torch_modules"]
                 self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
