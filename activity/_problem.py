@@ -767,10 +767,11 @@ class Problem:
                 run = apart_from_the_cache(parametrize, run)
             pyro_runtime = sys.modules.get("pyro.poutine.runtime")
             if pyro_runtime is not None:  # pyro's global parameter store holds the views' tensors while f runs
-                from .backends._torch_pyro import apart_from_the_param_store, replaced_parameters
+                from .backends._torch_pyro import apart_from_the_param_store, holds_pyro_modules, replaced_parameters
 
-                pairs = [(d.module, flatten(values[position])[0][index]) for (position, index), d in described.items()]
-                run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, replaced_parameters(pairs), run)
+                if holds_pyro_modules(described.values()):
+                    pairs = [(d.module, flatten(values[position])[0][index]) for (position, index), d in described.items()]
+                    run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, replaced_parameters(pairs), run)
             if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
                 watch = sys.modules["activity.backends._torch_modules"]
                 self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then

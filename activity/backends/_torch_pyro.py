@@ -13,7 +13,9 @@ parameter of the user's that the view replaced, and the store is put back as it 
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from typing import Any, Callable, TypeVar
 
 _Result = TypeVar("_Result")
@@ -22,6 +24,25 @@ _Result = TypeVar("_Result")
 _SWAP = threading.RLock()
 
 _PARTS = ("_params", "_param_to_name", "_constraints")  # what ParamStoreDict holds
+
+
+_HOLDS_PYRO: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # description -> its answer
+
+
+def holds_pyro_modules(descriptions: Any) -> bool:
+    """Whether a described module is, or holds, a ``PyroModule`` (what reads and writes the store);
+    only those calls take the store's lock, which a plain module's f (one that waits for another
+    thread's activity call) must never wait on."""
+    pyro_module = sys.modules["pyro.nn.module"].PyroModule
+    for description in descriptions:
+        known = _HOLDS_PYRO.get(description)
+        if known is None:
+            module = description.module
+            known = module is not None and any(isinstance(m, pyro_module) for m in module.modules())
+            _HOLDS_PYRO[description] = known
+        if known:
+            return True
+    return False
 
 
 def replaced_parameters(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
