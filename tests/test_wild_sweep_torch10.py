@@ -191,7 +191,7 @@ def test_an_exact_gp_marginal_likelihood_gradient_prepared_on_new_training_data_
     assert intact() and model.training and model.likelihood.training
 
 
-def test_gp_predictions_in_eval_mode_leave_the_prediction_cache_alone_and_conjugate_gradients_draw_like_eager():
+def test_gp_predictions_in_eval_mode_with_and_without_the_users_prediction_cache_and_conjugate_gradients_draw_like_eager():
     model, x, y = _gp()
     model.eval()
     test_x = randn(5, 1, seed=4)
@@ -212,6 +212,26 @@ def test_gp_predictions_in_eval_mode_leave_the_prediction_cache_alone_and_conjug
     prepared = ad.prepare(ad.gradient, predictive, Active(model), Constant(test_x))
     assert_close_dicts(prepared(model, test_x), raw(model), **CLOSE)
     assert intact() and model.prediction_strategy is None
+
+    # The user's own cache (holding the user's kernel and likelihood): the view computed the
+    # predictive covariance from the user's parameters, losing the derivative through them
+    with torch.no_grad():
+        predictive(model, test_x)
+    cache = model.prediction_strategy
+    names, params = zip(*trainable(model))
+    own = dict(zip(names, torch.autograd.grad(predictive(model, test_x), params)))  # the user's forward, its cache
+    assert_close_dicts(own, raw(model), **CLOSE)
+    for call in (lambda: ad.gradient(predictive, Active(model), Constant(test_x)), lambda: prepared(model, test_x)):
+        assert_close_dicts(call(), own, **CLOSE)
+    assert model.prediction_strategy is cache
+    with torch.no_grad():
+        model.cov.raw_outputscale.add_(0.5)  # a step in eval mode: the cache goes stale, a fresh forward is followed
+    fresh = copy.deepcopy(model)
+    fresh.prediction_strategy = None
+    assert_close_dicts(prepared(model, test_x), raw(fresh), **CLOSE)
+    assert model.prediction_strategy is cache
+    with torch.no_grad():
+        model.cov.raw_outputscale.sub_(0.5)
 
     # Without Cholesky, linear_operator draws its probe vectors from torch's global RNG
     model.train()

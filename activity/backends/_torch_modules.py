@@ -280,11 +280,30 @@ class _Tree:
     checked: dict[int, bool] = attrs.field(factory=dict)
 
 
+# What a view holds as None where its original holds a value: compilation (the view runs the
+# module's eager code), and a gpytorch ExactGP's prediction cache, built in eval mode by a
+# forward of the user's and holding the user's kernel and likelihood, which would compute the
+# predictive covariance from the user's parameters instead of the tape's leaves (the derivative
+# through it lost). Without it the view's forward builds a cache of its own from its own
+# parameters, one that gives the values and derivatives the user's forward gives (a cache gone
+# stale, the parameters changed in eval mode without ``model.train()``, is not followed: a
+# fresh forward's).
+_DROPPED = frozenset(("_compiled_call_impl", "prediction_strategy"))
+
+
+def _is_exact_gp(m: Any) -> bool:
+    models = sys.modules.get("gpytorch.models")
+    return models is not None and isinstance(m, models.ExactGP)
+
+
 def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str, ...]:
     """The keys of ``m.__dict__`` whose values refer to a module or tensor of the tree (checked here, once)."""
     torch_nn = sys.modules["torch"].nn
     keys = []
     for key, value in m.__dict__.items():
+        if key == "prediction_strategy" and _is_exact_gp(m):
+            keys.append(key)  # even while None: a later forward of the user's fills it (see `_DROPPED`)
+            continue
         if key in _SLOTS or isinstance(value, (bool, int, float, str, type(None), torch_nn.Parameter)):
             continue
         if "hook" in key and not value:
@@ -581,7 +600,7 @@ def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None
     for step, keys in plan.redirects:
         original, state = plan.steps[step].original_ref(), views[step].__dict__
         for key in keys:
-            state[key] = None if key == "_compiled_call_impl" else _redirect(original.__dict__[key], by_id)
+            state[key] = None if key in _DROPPED else _redirect(original.__dict__[key], by_id)
 
 
 @functools.cache
