@@ -309,6 +309,15 @@ def test_a_pyro_module_is_differentiated_in_its_own_parameters_whatever_the_para
     prepared = ad.prepare(ad.gradient, _negative_log_joint, Active(model), Constant(x), Constant(y))
     for a, b in ((x, y), (randn(8, 2, seed=3), randn(8, seed=4))):
         assert_close_dicts(prepared(model, a, b), _own_gradient(_negative_log_joint, model, a, b), **CLOSE)
+    names, params = zip(*trainable(model))
+    grads = torch.autograd.grad(_negative_log_joint(model, x, y), params, create_graph=True)
+    tangent = _tangent_for(model)
+    want_hvp = dict(zip(names, torch.autograd.grad(grads, params, [tangent[n] for n in names])))
+    for hvp in (
+        ad.hvp(_negative_log_joint, Active(model), Constant(x), Constant(y), tangent=tangent),  # on the tape
+        ad.hvp(_negative_log_joint, Active(model), Constant(x), Constant(y), tangents=[tangent, tangent])[1],  # torch.func
+    ):
+        assert_close_dicts(hvp, want_hvp, **CLOSE)
     assert intact() and param_store._params == held
     assert all(param_store._params[n] is p for n, p in held.items())
 
