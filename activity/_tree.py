@@ -171,14 +171,38 @@ def _frozen(value: Any) -> Any:
 
 
 def _register_fields_node(cls: type, fields: list[tuple[str, bool]]) -> None:
-    """``cls`` flattened field by field; ``fields`` are (name, taken by __init__)."""
-    names = tuple(name for name, _ in fields)
+    """``cls`` flattened field by field; ``fields`` are (name, taken by __init__).
 
-    def flatten(node: Any) -> tuple[list[Any], None, tuple[Any, ...]]:
-        return [getattr(node, name) for name in names], None, tuple("." + name for name in names)
+    The attributes an instance holds besides its fields (what a ``__post_init__`` sets: a
+    jaxopt solver's derived functions, a config's lookup table) are children too, after the
+    fields: a node rebuilt without ``__init__`` would lack them. Their names are the node's
+    metadata, so an instance with other attributes is another structure. A
+    ``functools.cached_property`` value is left out: the rebuilt node computes it again from
+    its own fields (a cached value of the user's instance would be stale under a transform)."""
+    names = tuple(name for name, _ in fields)
+    cached = frozenset(
+        name for klass in cls.__mro__ for name, member in vars(klass).items() if isinstance(member, functools.cached_property)
+    )
+
+    def extra_names(node: Any) -> tuple[str, ...]:
+        attributes = getattr(node, "__dict__", {})
+        return tuple(name for name in attributes if name not in names and name not in cached)
+
+    def flatten(node: Any) -> tuple[list[Any], tuple[str, ...], tuple[Any, ...]]:
+        extras = extra_names(node)
+        children = [*(getattr(node, name) for name in names), *(vars(node)[name] for name in extras)]
+        return children, extras, tuple("." + name for name in (*names, *extras))
 
     build = _builder(cls, fields)
-    optree.register_pytree_node(cls, flatten, lambda _, children: build(children), namespace=NAMESPACE)
+
+    def unflatten(extras: tuple[str, ...], children: Any) -> Any:
+        children = list(children)
+        node = build(children[: len(names)])
+        for name, child in zip(extras, children[len(names) :]):
+            object.__setattr__(node, name, child)  # frozen classes allow object.__setattr__
+        return node
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
 def _builder(cls: type, fields: list[tuple[str, bool]]) -> Callable[[Any], Any]:
