@@ -97,6 +97,8 @@ def _jax_cases(widths: tuple[int, ...], lora_widths: tuple[int, ...]) -> list[Ca
     import jax.numpy as jnp
     import numpy as np
 
+    from ._cases_jax import blocked
+
     rng = np.random.default_rng(0)
 
     def normal(*shape: int, scale: float = 1.0) -> Any:
@@ -111,9 +113,6 @@ def _jax_cases(widths: tuple[int, ...], lora_widths: tuple[int, ...]) -> list[Ca
     def head_loss(head: dict, body: list, x: Any) -> Any:
         return mlp_loss({"body": body, "head": head}, x)
 
-    def ready(fn: Any) -> Any:
-        return lambda: jax.block_until_ready(fn())
-
     cases = []
     for width in widths:
         s = width**-0.5
@@ -126,8 +125,8 @@ def _jax_cases(widths: tuple[int, ...], lora_widths: tuple[int, ...]) -> list[Ca
         own = ad.prepare(ad.gradient, head_loss, Active(params["head"]), Constant(params["body"]), Constant(x))
         cases.append(Case(
             "jax", "masked gradient", PREPARED, "MLP head vs head as own argument", width + 1, f"width {width}",
-            raw=ready(lambda own=own, p=params, x=x: own(p["head"], p["body"], x)),
-            ours=ready(lambda masked=masked, p=params, x=x: masked(p, x)),
+            raw=blocked(own, params["head"], params["body"], x),
+            ours=blocked(masked, params, x),
             raw_as_ours=lambda head: {"body": [(None, None), (None, None)], "head": head},
             target=MASK_TARGET,
         ))
@@ -150,8 +149,8 @@ def _jax_cases(widths: tuple[int, ...], lora_widths: tuple[int, ...]) -> list[Ca
         cases.append(Case(
             "jax", "LoRA step", PREPARED, f"{LORA_LAYERS} LoRA layers, rank {RANK}, vs full gradient",
             sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(params)), f"width {width}",
-            raw=ready(lambda full=full, p=params, x=x: full(p, x)),
-            ours=ready(lambda masked=masked, p=params, x=x: masked(p, x)),
+            raw=blocked(full, params, x),
+            ours=blocked(masked, params, x),
             raw_as_ours=lambda grads: {"base": [(None, None)] * LORA_LAYERS, "lora": grads["lora"]},
             target=LORA_TARGET,
         ))

@@ -21,6 +21,7 @@ import torch
 import activity as ad
 
 from ._case import Case
+from ._cases_jax import blocked
 from ._cases_torch import mlp
 
 MIXING = "mixing"
@@ -97,8 +98,8 @@ def cases(widths: tuple[int, ...]) -> list[Case]:
                 framework="jax+torch", operator="gradient", family=MIXING,
                 model=f"torch MLP in JAX vs {label}", size=sum(p.numel() for p in model.parameters()),
                 size_label=f"w={width}",
-                raw=lambda f=raw_gradient, x=x: jax.block_until_ready(f(x)),
-                ours=lambda f=ours, x=x: jax.block_until_ready(f(x)),
+                raw=blocked(raw_gradient, x),
+                ours=blocked(ours, x),
                 target=TARGET,
             ))
     return made

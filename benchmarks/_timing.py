@@ -3,7 +3,11 @@
 Timing both sides in alternation (rather than all raw runs, then all of ours)
 spreads slow drifts of the machine (frequency scaling, another process waking
 up, the allocator warming) evenly over both, so the ratio stays meaningful on a
-noisy 2-core box. Medians over rounds discard the occasional stalled round.
+noisy 2-core box. The side that goes first changes every round (raw, ours; then
+ours, raw): whatever the first batch of a round pays (the caches the other side
+left cold, memory the other side freed and this one maps again) is paid by both
+sides equally, and a linear drift cancels over each pair of rounds. Medians over
+rounds discard the occasional stalled round.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def alternate(
     warmup: int = 3,
     clock: Clock = time.perf_counter,
 ) -> Timing:
-    """Time ``calls`` calls of ``raw`` then ``calls`` of ``ours``, ``rounds`` times.
+    """Time ``calls`` calls of each side, ``rounds`` times, the first side alternating.
 
     ``calls=None`` picks the count from the slower side so that one batch takes
     about ``round_s``; both sides then run the same number of calls per round.
@@ -93,9 +97,13 @@ def alternate(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        for _ in range(rounds):
-            raw_rounds.append(seconds_per_call(raw, calls, clock))
-            ours_rounds.append(seconds_per_call(ours, calls, clock))
+        for round_ in range(rounds):
+            if round_ % 2:
+                ours_rounds.append(seconds_per_call(ours, calls, clock))
+                raw_rounds.append(seconds_per_call(raw, calls, clock))
+            else:
+                raw_rounds.append(seconds_per_call(raw, calls, clock))
+                ours_rounds.append(seconds_per_call(ours, calls, clock))
     finally:
         if collecting:
             gc.enable()

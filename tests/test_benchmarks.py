@@ -152,14 +152,14 @@ def test_alternate_reports_medians_and_their_ratio():
     assert (timing.raw_us, timing.ours_us) == (3e6, 6e6)
 
 
-def test_alternate_alternates_after_warming_both_up():
+def test_alternate_alternates_which_side_goes_first_after_warming_both_up():
     order = []
     clock = FakeClock()
     raw_cost, ours_cost = clock.function(1), clock.function(1)
     raw = lambda: (order.append("raw"), raw_cost())  # noqa: E731
     ours = lambda: (order.append("ours"), ours_cost())  # noqa: E731
-    alternate(raw, ours, rounds=2, calls=2, warmup=1, clock=clock)
-    assert order == ["raw", "ours"] + ["raw", "raw", "ours", "ours"] * 2
+    alternate(raw, ours, rounds=3, calls=2, warmup=1, clock=clock)
+    assert order == ["raw", "ours"] + ["raw", "raw", "ours", "ours", "ours", "ours", "raw", "raw", "raw", "raw", "ours", "ours"]
 
 
 def test_alternate_averages_a_round_over_its_calls_and_picks_the_slower_sides_count():
@@ -216,3 +216,26 @@ def test_main_runs_end_to_end_on_a_few_cases(tmp_path, monkeypatch, cases, capsy
     assert "closure vs Constant, 2 batches" in page
     assert (tmp_path / "assets" / "benchmarks.png").is_file()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_a_jax_call_is_timed_bare_only_where_its_result_is_ready_when_it_returns():
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks._cases_jax import blocked
+
+    square = jax.jit(lambda x: {"y": x**2, "mask": None})
+    before = jax.config.read("jax_cpu_enable_async_dispatch")
+    try:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+        bare = blocked(square, jnp.arange(3.0))
+        assert isinstance(bare, functools.partial)  # no walk over the result is timed
+        assert bare()["y"].is_ready()
+        # a result without arrays cannot be seen ready: it is blocked on
+        assert not isinstance(blocked(lambda: {"mask": None}), functools.partial)
+        jax.config.update("jax_cpu_enable_async_dispatch", True)
+        assert not isinstance(blocked(square, jnp.arange(3.0)), functools.partial)
+    finally:
+        jax.config.update("jax_cpu_enable_async_dispatch", before)
