@@ -11,7 +11,8 @@ round-trips the way its own library defines:
 3. types registered with torch's pytree (Hugging Face ``ModelOutput``), once
    torch is imported, use torch's;
 4. a ``collections.UserDict`` (Hugging Face's ``BatchEncoding``) item by item, a
-   torch_geometric ``Data`` or ``Batch`` attribute by attribute;
+   torch_geometric ``Data`` or ``Batch`` attribute by attribute, a ``HeteroData`` (or a
+   batch of them) storage by storage;
 5. other attrs and dataclass instances are flattened field by field (a
    dataclass that is also a mapping, item by item).
 """
@@ -325,6 +326,72 @@ def _register_pyg_data_node(cls: type) -> None:
     optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
 
 
+def _is_pyg_hetero_data(cls: type) -> bool:
+    """Whether ``cls`` is a torch_geometric ``HeteroData`` (a batch of them included)."""
+    data = sys.modules.get("torch_geometric.data")
+    return data is not None and issubclass(cls, data.HeteroData)
+
+
+# A storage's attributes that are not carried as children: its items (children of their own),
+# the weak reference to its graph (made anew for the rebuilt graph), and a cache of attribute
+# kinds that rebuilds itself.
+_PYG_STORE_INTERNALS = ("_mapping", "_parent", "_key", "_cached_attr")
+_PYG_HETERO_STORES = ("_global_store", "_node_store_dict", "_edge_store_dict")
+
+
+def _register_pyg_hetero_data_node(cls: type) -> None:
+    """A torch_geometric ``HeteroData`` (a graph with node and edge types) keeps a global
+    storage and one storage per node type and per edge type: flattened item by item, as a
+    ``Data``'s single storage is (see `_register_pyg_data_node`), so another graph of the same
+    types and sizes is new values of one signature, and a changed size is told by its path,
+    ``['paper'].x`` or ``['author', 'writes', 'paper'].edge_index``. The types and their order
+    are the node's structure."""
+
+    def flatten(node: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
+        attributes = vars(node)
+        stores = [(None, attributes["_global_store"])]
+        stores += [(("nodes", key), store) for key, store in attributes["_node_store_dict"].items()]
+        stores += [(("edges", key), store) for key, store in attributes["_edge_store_dict"].items()]
+        layout, children, paths = [], [], []
+        for where, store in stores:
+            keys = tuple(store._mapping)
+            private = tuple(name for name in vars(store) if name not in _PYG_STORE_INTERNALS)
+            layout.append((where, type(store), keys, private))
+            children += [*store._mapping.values(), *(vars(store)[name] for name in private)]
+            prefix = "" if where is None else _pyg_store_path(where[1])
+            paths += [f"{prefix}.{name}" for name in (*keys, *private)]
+        own = tuple(name for name in attributes if name not in _PYG_HETERO_STORES)
+        children += [attributes[name] for name in own]
+        paths += ["." + name for name in own]
+        return children, (tuple(layout), own), tuple(paths)
+
+    def unflatten(context: tuple[tuple[Any, ...], tuple[str, ...]], children: Any) -> Any:
+        layout, own = context
+        children = iter(children)
+        node = cls.__new__(cls)  # type: ignore[call-overload]
+        by_kind: dict[str, dict[Any, Any]] = {"nodes": {}, "edges": {}}
+        global_store = None
+        for where, storage, keys, private in layout:
+            store = storage.__new__(storage)
+            vars(store).update(_mapping={key: next(children) for key in keys}, _parent=weakref.ref(node))
+            vars(store).update((name, next(children)) for name in private)
+            if where is None:
+                global_store = store
+            else:
+                vars(store)["_key"] = where[1]
+                by_kind[where[0]][where[1]] = store
+        vars(node).update(_global_store=global_store, _node_store_dict=by_kind["nodes"], _edge_store_dict=by_kind["edges"])
+        vars(node).update((name, next(children)) for name in own)
+        return node
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=NAMESPACE)  # type: ignore[arg-type]
+
+
+def _pyg_store_path(key: Any) -> str:
+    """A storage as the user indexes the graph: ``['paper']``, ``['author', 'writes', 'paper']``."""
+    return "[" + ", ".join(map(repr, key if isinstance(key, tuple) else (key,))) + "]"
+
+
 def _fields(cls: type) -> list[tuple[str, bool]] | None:
     if attrs.has(cls):
         return [(a.name, a.init) for a in attrs.fields(cls)]
@@ -355,6 +422,9 @@ def _learn_type(value: Any) -> bool:
         _node_types[cls] = True
     elif _is_pyg_data(cls):
         _register_pyg_data_node(cls)
+        _node_types[cls] = True
+    elif _is_pyg_hetero_data(cls):
+        _register_pyg_hetero_data_node(cls)
         _node_types[cls] = True
     elif (fields := _fields(cls)) is not None:
         if issubclass(cls, collections.abc.Mapping):

@@ -17,8 +17,8 @@ from pyro.infer import Trace_ELBO
 from pyro.infer.autoguide import AutoNormal
 from pyro.nn import PyroModule, PyroParam, PyroSample
 from torch.distributions import MultivariateNormal
-from torch_geometric.data import Batch, Data
-from torch_geometric.nn import GATConv, GCNConv, MessagePassing, SAGEConv, global_mean_pool
+from torch_geometric.data import Batch, Data, HeteroData
+from torch_geometric.nn import GATConv, GCNConv, HeteroConv, MessagePassing, SAGEConv, global_mean_pool
 from torch_geometric.utils import softmax
 from x_transformers import Decoder, TransformerWrapper
 
@@ -144,6 +144,65 @@ def test_hvp_and_pullback_of_graph_convolutions_and_the_gradient_for_the_node_fe
         torch.testing.assert_close(prepared(batch, model).x, raw(batch), **CLOSE)
     reference = ad.gradient(per_graph, Active(data), Constant(model), backend=ad.AutoFiniteDifferences())
     torch.testing.assert_close(reference.x, raw(data), rtol=1e-6, atol=1e-8)
+    assert intact()
+
+
+def _hetero_graph(papers, authors, edges, seed):
+    g = generator(seed)
+    data = HeteroData()
+    data["paper"].x = torch.randn(papers, 3, generator=g, dtype=torch.float64)
+    data["author"].x = torch.randn(authors, 2, generator=g, dtype=torch.float64)
+    writer, paper = torch.randint(0, authors, (edges,), generator=g), torch.randint(0, papers, (edges,), generator=g)
+    data["author", "writes", "paper"].edge_index = torch.stack([writer, paper])
+    data["paper", "written_by", "author"].edge_index = torch.stack([paper, writer])
+    data.y = torch.randn(papers, generator=g, dtype=torch.float64)
+    return data
+
+
+class _HeteroNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = HeteroConv({("author", "writes", "paper"): SAGEConv((2, 3), 4),
+                                ("paper", "written_by", "author"): GATConv((3, 2), 4, add_self_loops=False)})
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, data):
+        h = self.conv(data.x_dict, data.edge_index_dict)
+        return (self.head(h["paper"].tanh()).squeeze(-1) - data.y).pow(2).mean() + h["author"].pow(2).mean()
+
+
+def test_a_hetero_graph_as_a_constant_prepares_once_for_new_graphs_and_as_an_active_gets_a_graph_of_gradients():
+    model = _seeded(lambda: _HeteroNet().double())
+    first, same_sizes, more_edges = _hetero_graph(5, 3, 8, seed=1), _hetero_graph(5, 3, 8, seed=2), _hetero_graph(5, 3, 9, seed=3)
+    intact = untouched(Active(model), Constant(first), Constant(same_sizes))
+    prepared = ad.prepare(ad.gradient, _graph_loss, Active(model), Constant(first))
+    for data in (first, same_sizes):  # a HeteroData compared by identity: every new graph was refused
+        assert_close_dicts(prepared(model, data), raw_gradient(_graph_loss, model, data), **CLOSE)
+    with pytest.raises(ad.PreparationMismatchError, match=r"at \['author', 'writes', 'paper'\]\.edge_index: expected a torch tensor of shape \(2, 8\)"):
+        prepared(model, more_edges)
+
+    # The graph itself Active: a HeteroData of gradients, None at the integer edges
+    def per_graph(data, model):
+        return sum(model(graph) * (k + 1) for k, graph in enumerate(data.to_data_list()))
+
+    def raw(data):
+        copied = copy.copy(data)
+        papers, authors = data["paper"].x.clone().requires_grad_(), data["author"].x.clone().requires_grad_()
+        copied["paper"].x, copied["author"].x = papers, authors
+        return torch.autograd.grad(per_graph(copied, model), (papers, authors))
+
+    batch, later = Batch.from_data_list([first, same_sizes]), Batch.from_data_list([same_sizes, first])
+    got = ad.gradient(per_graph, Active(batch), Constant(model))
+    assert type(got) is type(batch) and got["author", "writes", "paper"].edge_index is None
+    for want, have in zip(raw(batch), (got["paper"].x, got["author"].x)):
+        torch.testing.assert_close(have, want, **CLOSE)
+    prepared = ad.prepare(ad.gradient, per_graph, Active(batch), Constant(model))
+    for data in (batch, later):
+        got = prepared(data, model)
+        for want, have in zip(raw(data), (got["paper"].x, got["author"].x)):
+            torch.testing.assert_close(have, want, **CLOSE)
+    reference = ad.gradient(per_graph, Active(batch), Constant(model), backend=ad.AutoFiniteDifferences())
+    torch.testing.assert_close(reference["paper"].x, raw(batch)[0], rtol=1e-6, atol=1e-8)
     assert intact()
 
 
