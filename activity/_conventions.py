@@ -19,6 +19,12 @@
   two of the modules is one parameter, listed under its first one.
 - A torch module: its parameters with ``requires_grad=True``; the torch backend's
   module descriptions (`backends._torch_modules`) implement it.
+- A Keras 3 model or layer on the JAX backend: its trainable variables, as Keras's own
+  ``stateless_call`` takes them. The result is a dict of their gradients keyed by each
+  variable's ``path`` (``"sequential/dense/kernel"``); ``f`` gets the user's model, whose
+  variables read the call's values inside a Keras ``StatelessScope``, so what ``f``
+  assigns (BatchNormalization statistics, seed generator states) never reaches the user's.
+  (On the torch backend a Keras layer is a torch module: see `backends._torch_keras`.)
 """
 
 from __future__ import annotations
@@ -72,6 +78,10 @@ class NNXModule:
         """A ``where=`` pytree of bools in the structure of the parameters' ``nnx.State``: a
         plain nested dict (``{"head": True, "body": False}``) is read as that state."""
         return _as_state(where)
+
+    def mask_path(self, path: str) -> str:
+        """A parameter's path as ``where`` gets it: the state's path without the variable's ``.value``."""
+        return path[: -len(".value")] if path.endswith(".value") else path
 
     def describe(self, module: Any) -> str:
         return f"a Flax NNX {type(module).__name__}"
@@ -156,16 +166,91 @@ class NNXModulesInPytree:
             parts[index] = _as_state(parts[index])
         return unflatten(spec, parts)
 
+    mask_path = NNXModule.mask_path
+
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Flax NNX modules"
 
 
+@attrs.frozen
+class Bound:
+    """What an adapter's ``merge`` gives where ``f`` must get the user's own object, bound to
+    the call's values only while ``f`` runs (`Problem.call` unwraps it): ``value`` is the
+    object for ``f``, ``scope()`` the context manager in which it reads the call's values."""
+
+    value: Any
+    scope: Any
+
+
+@attrs.frozen(eq=False)
+class KerasModel:
+    """A Keras 3 layer or model on the JAX backend: split into the model itself (static: the
+    same object is the same signature), the values of its trainable variables (differentiated
+    where Active) and of the others (data), each a dict keyed by the variable's path. A Keras
+    model cannot be rebuilt around other values; inside f its variables read the call's values
+    through a ``StatelessScope``, as in ``model.stateless_call``."""
+
+    library = "keras"
+    binds = True
+
+    def split(self, model: Any) -> tuple[Any, Any, Any]:
+        if not model.built:
+            raise TypeError(
+                f"activity: a Keras {type(model).__name__} that is not built yet (its weights are made by its "
+                f"first call) cannot be split into its weights. Call it once on an input of the right shape, or "
+                f"call its build(input_shape), before passing it."
+            )
+        trainable, other = _by_path(model.trainable_variables), _by_path(model.non_trainable_variables)
+        static = (model, tuple(trainable), tuple(other))
+        return static, {path: v.value for path, v in trainable.items()}, {path: v.value for path, v in other.items()}
+
+    def merge(self, static: Any, params: Any, rest: Any) -> Bound:
+        model = static[0]
+        keras = sys.modules["keras"]
+        variables = {**_by_path(model.trainable_variables), **_by_path(model.non_trainable_variables)}
+        mapping = [(variables[path], value) for path, value in (*params.items(), *rest.items())]
+        return Bound(model, lambda: keras.StatelessScope(state_mapping=mapping))
+
+    def result(self, static: Any, params: Any) -> Any:
+        return params  # {variable path: gradient}
+
+    def mask(self, static: Any, where: Any) -> Any:
+        return where  # a dict of bools keyed by variable path, as the result is
+
+    def mask_path(self, path: str) -> str:
+        """A variable's own path (``"sequential/dense/kernel"``), as ``where`` gets it."""
+        return path[2:-2] if path.startswith("['") and path.endswith("']") else path
+
+    def describe(self, model: Any) -> str:
+        return f"a Keras {type(model).__name__}"
+
+
+def _by_path(variables: Any) -> dict[str, Any]:
+    """Keras variables keyed by path, each once (a variable two layers share is one parameter)."""
+    keyed: dict[str, Any] = {}
+    seen: set[int] = set()
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            path = variable.path
+            keyed[path if path not in keyed else f"{path}#{len(keyed)}"] = variable
+    return keyed
+
+
+def _keras_on_jax(value: Any) -> bool:
+    layer = sys.modules.get("keras.src.layers.layer")  # a layer of a library not imported cannot be this one
+    return layer is not None and isinstance(value, layer.Layer) and sys.modules["keras"].backend.backend() == "jax"
+
+
 _NNX = NNXModule()
 _NNX_IN_PYTREE = NNXModulesInPytree()
+_KERAS = KerasModel()
 
 
-def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | None:
+def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | None:
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
+    if _keras_on_jax(value):
+        return _KERAS
     nnx = sys.modules.get("flax.nnx")  # a module of a library not imported cannot be this one
     if nnx is None:
         return None
@@ -176,4 +261,4 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | None:
     return None
 
 
-__all__ = ["is_python_number", "adapter_for", "NNXModule", "NNXModulesInPytree"]
+__all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "NNXModule", "NNXModulesInPytree"]

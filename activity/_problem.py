@@ -12,6 +12,7 @@ differentiated leaves, and ``ctx``, everything else that changes per call.
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import sys
 import warnings
 from typing import Any, Callable, Sequence, overload
@@ -21,7 +22,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
-from ._conventions import adapter_for, is_python_number
+from ._conventions import Bound, adapter_for, is_python_number
 from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
 from ._tree import LEAF, flatten, leaf_paths, same_static_value, structure_difference, unflatten
 
@@ -157,6 +158,15 @@ def _nothing_to_differentiate(value: Any, leaves: Sequence[Any]) -> str:
         )
     if modules:
         return f"is Active({type(modules[0]).__name__}), a torch.nn.Module without parameters. Mark it Constant(model)."
+    keras = _keras_object(leaves)
+    if keras is not None:
+        return (
+            f"is Active but holds {keras}, whose values Keras keeps in its variables, out of reach of a "
+            f"pytree. Pass the Keras model or layer itself, as its own argument: Active(model) differentiates "
+            f"its trainable variables (the result is keyed by their paths), Constant(model) reads their "
+            f"current values on every call; or pass the values, Active([v.value for v in model.trainable_variables]), "
+            f"to an f that calls model.stateless_call."
+        )
     what = describe_type(value) + (f" of dtype {value.dtype}" if arrays.is_array(value) else "")
     advice = float_advice(value)
     return (
@@ -165,6 +175,17 @@ def _nothing_to_differentiate(value: Any, leaves: Sequence[Any]) -> str:
            "instead, or pass float arrays (a Python number inside a pytree is a static hyper-parameter: "
            "wrap it with jnp.asarray(...) or torch.tensor(...) to differentiate it).")
     )
+
+
+def _keras_object(leaves: Sequence[Any]) -> str | None:
+    """How to name a Keras variable or layer among ``leaves``, or None."""
+    variables, layer = sys.modules.get("keras.src.backend.common.variables"), sys.modules.get("keras.src.layers.layer")
+    for leaf in leaves:
+        if variables is not None and isinstance(leaf, variables.Variable):
+            return f"a Keras Variable ({leaf.path})"
+        if layer is not None and isinstance(leaf, layer.Layer):
+            return f"a Keras {type(leaf).__name__} inside a pytree"
+    return None
 
 
 def float_advice(value: Any) -> str | None:
@@ -342,6 +363,7 @@ class Problem:
         # position -> (convention, its static part, number of trainable leaves, their structure), for
         # an argument a model library splits itself (a Flax NNX module); see _conventions.
         self.adapted: dict[int, tuple[Any, ...]] = {}
+        self._binds = False  # an adapter's merge gives f the user's object, bound while f runs (`Bound`)
         for position, (kind, value) in enumerate(zip(kinds, values)):
             self._add_argument(position, kind, value, self.wheres[position])
         self.active_positions: tuple[int, ...] = tuple(i for i, k in enumerate(kinds) if k == "active")
@@ -382,12 +404,13 @@ class Problem:
             or _complex_parameter(leaf, index, trainable, in_tree)  # asked too: selected, it is refused
             for index, leaf in enumerate(leaves)
         ]
-        paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
+        paths = _mask_paths(tree, adapter) if in_tree else [""]
         if predicate:
             marks: list[Any] = [None] * len(leaves)
         else:
             marks = _broadcast_mask(where, tree, value, label)
         selected: list[Any] = []
+        asked: list[str] = []  # the paths where is given, for the message if it selects nothing
         for index, (leaf, is_candidate) in enumerate(zip(leaves, candidate)):
             if not is_candidate:
                 selected.append(None)
@@ -395,20 +418,23 @@ class Problem:
                 described = self.backend.describe_module(leaf)
                 names, named = described.names, dict(zip(described.names, described.params))
                 prefix = paths[index] + "." if paths[index] else ""
+                asked += [prefix + name for name in names]
                 if predicate:
                     chosen = [name for name in names if _answer(where, prefix + name, named[name], label)]
                 else:
                     chosen = [name for name in names if _module_mark(marks[index], name, label)]
                 selected.append(tuple(chosen))
             elif predicate:
+                asked.append(paths[index])
                 selected.append(_answer(where, paths[index], leaf, label))
             else:
+                asked.append(paths[index])
                 selected.append(bool(marks[index]))
         if not any(selected):
             raise TypeError(
                 f"{label} selects nothing to differentiate. Mark the argument Constant(...) if none of it is "
                 f"differentiated, or change where= (it is called as where(path, leaf) with paths such as "
-                f"{[path for path, c in zip(paths, candidate) if c][:3]})."
+                f"{asked[:3]})."
             )
         return tuple(selected)
 
@@ -424,6 +450,7 @@ class Problem:
             trainable_leaves, trainable_spec = flatten(params)
             trainable = len(trainable_leaves)
             self.adapted[position] = (adapter, static, trainable, trainable_spec)
+            self._binds = self._binds or getattr(adapter, "binds", False)
             leaves, spec = flatten((params, rest))
         roles, statics, metas = [], [], []
         paths = None
@@ -751,8 +778,19 @@ class Problem:
         registers on them are taken off again, and on the first call writes f makes to their
         tensors outside the tape are warned of (`backends._torch_modules.watched_call`), inside
         ``torch.nn.utils.parametrize.cached()`` f runs with a parametrization cache of its own
-        (`backends._torch_parametrize`), and with pyro loaded its parameter store holds the views'
-        tensors while f runs (`backends._torch_pyro`)."""
+        (`backends._torch_parametrize`), with pyro loaded its parameter store holds the views'
+        tensors while f runs (`backends._torch_pyro`), and Keras layers' variables read the views'
+        tensors (`backends._torch_keras`). An argument an adapter binds (a Keras model on JAX)
+        is the user's own object, reading the call's values while f runs."""
+        if self._binds:
+            with contextlib.ExitStack() as scopes:
+                for value in values:
+                    if type(value) is Bound:
+                        scopes.enter_context(value.scope())
+                return self._call_modules(f, [value.value if type(value) is Bound else value for value in values])
+        return self._call_modules(f, values)
+
+    def _call_modules(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         described = self._described
         if described:
             parametrize = self._parametrize
@@ -767,11 +805,18 @@ class Problem:
                 run = apart_from_the_cache(parametrize, run)
             pyro_runtime = sys.modules.get("pyro.poutine.runtime")
             if pyro_runtime is not None:  # pyro's global parameter store holds the views' tensors while f runs
-                from .backends._torch_pyro import apart_from_the_param_store, holds_pyro_modules, replaced_parameters
+                from .backends._torch_pyro import apart_from_the_param_store, holds_pyro_modules
 
                 if holds_pyro_modules(described.values()):
-                    pairs = [(d.module, flatten(values[position])[0][index]) for (position, index), d in described.items()]
-                    run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, replaced_parameters(pairs), run)
+                    replaced = sys.modules["activity.backends._torch_modules"].replaced_parameters(self._view_pairs(values))
+                    run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, replaced, run)
+            if "keras.src.layers.layer" in sys.modules:  # a Keras layer's variables read the views' tensors while f runs
+                from .backends._torch_keras import in_stateless_scope, keras_variables
+
+                variables = keras_variables(described.values())
+                if variables:
+                    replaced = sys.modules["activity.backends._torch_modules"].replaced_parameters(self._view_pairs(values))
+                    run = in_stateless_scope(variables, replaced, run)
             if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
                 watch = sys.modules["activity.backends._torch_modules"]
                 self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
@@ -785,6 +830,10 @@ class Problem:
                 if handles.next_id != first:
                     sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
         return self._call(f, values)
+
+    def _view_pairs(self, values: Sequence[Any]) -> list[tuple[Any, Any]]:
+        """``(the user's module, the view f gets in its place)`` for each described module."""
+        return [(d.module, flatten(values[position])[0][index]) for (position, index), d in self._described.items()]
 
     def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         try:
@@ -980,13 +1029,12 @@ def _mask_change(expected: tuple[Any, ...] | None, actual: tuple[Any, ...] | Non
     )
 
 
-def _mask_paths(tree: Any, adapted: bool) -> list[str]:
-    """The paths a ``where`` callable is given: as messages print them; for a Flax NNX module,
-    the paths of its parameter state without the variables' ``.value``."""
+def _mask_paths(tree: Any, adapter: Any) -> list[str]:
+    """The paths a ``where`` callable is given: as messages print them, or as the model library
+    names its parameters (`_conventions`: an NNX state's paths without ``.value``, Keras
+    variables' own paths)."""
     paths = leaf_paths(tree)
-    if adapted:
-        paths = [path[: -len(".value")] if path.endswith(".value") else path for path in paths]
-    return paths
+    return paths if adapter is None else list(map(adapter.mask_path, paths))
 
 
 def _answer(where: Callable[[str, Any], Any], path: str, leaf: Any, label: str) -> bool:

@@ -349,7 +349,7 @@ def _register_pyg_hetero_data_node(cls: type) -> None:
 
     def flatten(node: Any) -> tuple[list[Any], tuple[Any, ...], tuple[Any, ...]]:
         attributes = vars(node)
-        stores = [(None, attributes["_global_store"])]
+        stores: list[tuple[Any, Any]] = [(None, attributes["_global_store"])]
         stores += [(("nodes", key), store) for key, store in attributes["_node_store_dict"].items()]
         stores += [(("edges", key), store) for key, store in attributes["_edge_store_dict"].items()]
         layout, children, paths = [], [], []

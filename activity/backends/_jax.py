@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
+import sys
 import threading
 import types
 import warnings
@@ -562,6 +563,14 @@ def _stale_reason(leaf: Any) -> str | None:
     (``__eq__`` with ``__hash__``) cannot change unseen, so they are never reported."""
     if isinstance(leaf, (type, types.ModuleType, enum.Enum)):
         return None
+    layer = sys.modules.get("keras.src.layers.layer")
+    if layer is not None and isinstance(leaf, layer.Layer):
+        return (
+            f"a Keras {type(leaf).__name__} inside a pytree. jax.jit compiles the values its variables hold "
+            f"when it traces f, so a change of its weights between calls is not seen. Pass the model as an "
+            f"argument of its own, Constant(model) or Active(model): its variables' values are then the "
+            f"call's inputs."
+        )
     if callable(leaf):
         if not _captures_writable_numpy(leaf):
             return None

@@ -38,6 +38,7 @@ import attrs
 
 from .._errors import UnsupportedError, caller_stacklevel
 from .._tree import captured_values
+from ._torch_keras import KERAS_WRAPPERS, check_built, keras_layer_type
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
 _SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
@@ -180,6 +181,8 @@ def describe_module(module: Any) -> ModuleDescription:
                 f"cannot put the tensors it differentiates nor copies of the buffers. Pass the eager module it "
                 f"was made from (script or trace it afterwards), or use torch.compile, which activity follows."
             )
+        if keras_layer is not None and isinstance(m, keras_layer):
+            check_built(m, _where(prefix, m))
         modules.append(m)
         layout.append(type(m))
         slot_dicts.extend((m._parameters, m._buffers, m._modules))
@@ -208,6 +211,7 @@ def describe_module(module: Any) -> ModuleDescription:
 
     torch = sys.modules["torch"]
     script_module, is_lazy = torch.jit.ScriptModule, torch.nn.parameter.is_lazy
+    keras_layer = keras_layer_type()
     visit(module, "")
     has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
     names_of = _module_names(module)
@@ -296,11 +300,27 @@ def _is_exact_gp(m: Any) -> bool:
     return models is not None and isinstance(m, models.ExactGP)
 
 
+def replaced_parameters(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
+    """``id(user's parameter) -> the view's tensor in its place``, over ``(module, view)`` pairs
+    (a view's parameters follow its module's order, tied ones once, as ``parameters()`` lists them)."""
+    replaced: dict[int, Any] = {}
+    for module, view in pairs:
+        if view is not module:
+            for own, viewed in zip(module.parameters(), view.parameters()):
+                if viewed is not own:
+                    replaced[id(own)] = viewed
+    return replaced
+
+
 def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str, ...]:
     """The keys of ``m.__dict__`` whose values refer to a module or tensor of the tree (checked here, once)."""
     torch_nn = sys.modules["torch"].nn
+    keras_layer = keras_layer_type()
+    wrappers = KERAS_WRAPPERS if keras_layer is not None and isinstance(m, keras_layer) else ()
     keys = []
     for key, value in m.__dict__.items():
+        if key in wrappers:
+            continue
         if key == "prediction_strategy" and _is_exact_gp(m):
             keys.append(key)  # even while None: a later forward of the user's fills it (see `_DROPPED`)
             continue

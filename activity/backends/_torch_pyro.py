@@ -45,21 +45,9 @@ def holds_pyro_modules(descriptions: Any) -> bool:
     return False
 
 
-def replaced_parameters(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
-    """``id(user's parameter) -> the view's tensor in its place``, over ``(module, view)`` pairs
-    (a view's parameters follow its module's order, tied ones once, as ``parameters()`` lists them)."""
-    replaced: dict[int, Any] = {}
-    for module, view in pairs:
-        if view is not module:
-            for own, viewed in zip(module.parameters(), view.parameters()):
-                if viewed is not own:
-                    replaced[id(own)] = viewed
-    return replaced
-
-
 def apart_from_the_param_store(store: Any, replaced: dict[int, Any], call: Callable[..., _Result]) -> Callable[..., _Result]:
     """``call``, run while ``store`` holds the view's tensors in place of the user's parameters
-    (``replaced``, see `replaced_parameters`); afterwards the store is exactly as it was, the
+    (``replaced``, see `_torch_modules.replaced_parameters`); afterwards the store is exactly as it was, the
     entries f added (the view's tensors under new names) gone."""
 
     def run(*args: Any) -> _Result:

@@ -1,0 +1,173 @@
+"""Keras 3 models on its JAX backend, run by `test_keras_models.py` in a process of its own with
+``KERAS_BACKEND=jax`` (Keras picks its backend once per process). Each check prints ``ok`` or
+raises. Every gradient is compared with ``jax.grad`` of Keras's own functional call,
+``model.stateless_call``, on the same weights and data.
+
+Nothing is imported at the top but the standard library: pytest's doctest collection imports
+this file in processes whose Keras, if any, runs on torch."""
+
+from __future__ import annotations
+
+import warnings
+
+
+def _setup():
+    import jax
+    import jax.numpy as jnp
+    import keras
+    import numpy as np
+
+    import activity as ad
+    from activity import Active, Constant
+
+    assert keras.backend.backend() == "jax", keras.backend.backend()
+    return jax, jnp, keras, np, ad, Active, Constant
+
+
+def _model(keras, kind):
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    if kind == "sequential":
+        return keras.Sequential([keras.Input((4,)), layers.Dense(8, activation="tanh"), layers.BatchNormalization(),
+                                 layers.Dropout(0.3, seed=3), layers.Dense(1)])
+    inputs = keras.Input((4,))
+    hidden = layers.LayerNormalization()(layers.Dense(6, activation="gelu")(inputs))
+    return keras.Model(inputs, layers.Dense(1)(hidden + layers.Dense(6)(inputs)))
+
+
+def _loss(model, x, y, training=True):
+    return ((model(x, training=training) - y) ** 2).mean()
+
+
+def _evaluation(model, x, y):
+    return _loss(model, x, y, training=False)
+
+
+def _stateless(model, training):
+    """The loss as a function of the trainable values, through ``model.stateless_call`` with the
+    user's values of the other variables (a Dropout's seed state among them)."""
+    others = [v.value for v in model.non_trainable_variables]
+
+    def loss(trainable, x, y):
+        out, _ = model.stateless_call(trainable, others, x, training=training)
+        return ((out - y) ** 2).mean()
+
+    return loss
+
+
+def _by_path(model, per_variable):
+    return dict(zip((v.path for v in model.trainable_variables), per_variable))
+
+
+def _assert_close(np, got, want, rtol=1e-5, atol=1e-6):
+    assert list(got) == list(want), (list(got), list(want))
+    for path in want:
+        np.testing.assert_allclose(np.asarray(got[path]), np.asarray(want[path]), rtol=rtol, atol=atol, err_msg=path)
+
+
+def active_models_against_stateless_call():
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    x, y = jax.random.normal(jax.random.key(1), (6, 4)), jax.random.normal(jax.random.key(2), (6, 1))
+    for kind in ("sequential", "functional"):
+        model = _model(keras, kind)
+        before = [np.array(v.value) for v in model.variables]
+        trainable = [v.value for v in model.trainable_variables]
+        raw = jax.grad(_stateless(model, training=True))
+        # in training: BatchNorm's batch statistics and Dropout's mask, drawn from the user's seed state
+        _assert_close(np, ad.gradient(_loss, Active(model), Constant(x), Constant(y)), _by_path(model, raw(trainable, x, y)))
+        prepared = ad.prepare(ad.gradient, _loss, Active(model), Constant(x), Constant(y))
+        for data in (x, 2 * x):
+            _assert_close(np, prepared(model, data, y), _by_path(model, raw(trainable, data, y)))
+        tangent = {v.path: jnp.ones(v.shape) for v in model.trainable_variables}
+        evaluation = _stateless(model, training=False)
+        hvp = jax.jvp(lambda t: jax.grad(evaluation)(t, x, y), (trainable,), ([tangent[v.path] for v in model.trainable_variables],))[1]
+        _assert_close(np, ad.hvp(_evaluation, Active(model), Constant(x), Constant(y), tangent=tangent), _by_path(model, hvp))
+        # BatchNorm statistics, the seed state: assigned inside the call's scope, never in the user's model
+        assert all(np.array_equal(b, np.array(v.value)) for b, v in zip(before, model.variables))
+
+
+def a_mask_fine_tunes_the_head():
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    model = _model(keras, "functional")
+    x, y = jax.random.normal(jax.random.key(1), (6, 4)), jax.random.normal(jax.random.key(2), (6, 1))
+    head = next(layer.name for layer in model.layers if getattr(layer, "units", None) == 1)
+    got = ad.gradient(_evaluation, Active(model, where=lambda path, value: path.split("/")[-2] == head), Constant(x), Constant(y))
+    want = _by_path(model, jax.grad(_stateless(model, training=False))([v.value for v in model.trainable_variables], x, y))
+    assert [path for path, g in got.items() if g is not None] == [f"{head}/kernel", f"{head}/bias"], list(got)
+    _assert_close(np, {p: g for p, g in got.items() if g is not None}, {p: want[p] for p in (f"{head}/kernel", f"{head}/bias")})
+
+
+def a_constant_model_is_seen_with_its_new_weights():
+    # It was an opaque constant: jax.jit kept the weights of the first call in the compiled code
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    model = _model(keras, "functional")
+    x = jax.random.normal(jax.random.key(1), (6, 4))
+
+    def features(x, model):
+        return jnp.tanh(model(x)).sum()
+
+    prepared = ad.prepare(ad.gradient, features, Active(x), Constant(model))
+    np.testing.assert_allclose(prepared(x, model), jax.grad(features)(x, model), rtol=1e-5, atol=1e-6)
+    kernel = model.trainable_variables[0]
+    kernel.assign(kernel.value * 2)
+    np.testing.assert_allclose(prepared(x, model), jax.grad(features)(x, model), rtol=1e-5, atol=1e-6)
+
+
+def the_reference_warns_of_the_models_float32():
+    # Keras computes in its float32 whatever it is given (ops.matmul of float64 arrays is float32):
+    # the reference reaches the variables, and says its differences are coarse
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    from activity.backends._finite_differences import ReferenceUnreliableWarning
+
+    model = _model(keras, "functional")
+    x, y = jax.random.normal(jax.random.key(1), (6, 4)), jax.random.normal(jax.random.key(2), (6, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference = ad.gradient(_evaluation, Active(model), Constant(x), Constant(y), backend=ad.AutoFiniteDifferences())
+    assert caught and all(issubclass(w.category, ReferenceUnreliableWarning) for w in caught), [str(w.message) for w in caught]
+    want = jax.grad(_stateless(model, training=False))([v.value for v in model.trainable_variables], x, y)
+    _assert_close(np, reference, _by_path(model, want), rtol=1e-2, atol=1e-2)
+
+
+def keras_variables_and_models_in_a_pytree_are_told_what_to_do():
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    model = _model(keras, "functional")
+    x = jnp.ones((2, 4))
+    try:
+        ad.gradient(lambda trainable, x: model.stateless_call(trainable, [], x)[0].sum(), Active(model.trainable_variables), Constant(x))
+    except TypeError as error:  # it said the list held no floating-point value
+        assert "a Keras Variable" in str(error) and "Active(model)" in str(error), error
+    else:
+        raise AssertionError("a list of Keras variables was differentiated")
+    with warnings.catch_warnings(record=True) as caught:  # jax.jit would keep its first weights
+        warnings.simplefilter("always")
+        ad.prepare(ad.gradient, lambda x, held: held["model"](x).sum(), Active(x), Constant({"model": model}))
+    assert any("Keras Functional inside a pytree" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def an_unbuilt_layer_is_refused():
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    layer = keras.layers.Dense(3)
+    try:
+        ad.gradient(lambda m, x: m(x).sum(), Active(layer), Constant(jnp.ones((2, 4))))
+    except TypeError as error:
+        assert "not built yet" in str(error), error
+    else:
+        raise AssertionError("an unbuilt Keras layer was differentiated")
+    assert not layer.built
+
+
+CHECKS = (
+    active_models_against_stateless_call,
+    a_mask_fine_tunes_the_head,
+    a_constant_model_is_seen_with_its_new_weights,
+    the_reference_warns_of_the_models_float32,
+    keras_variables_and_models_in_a_pytree_are_told_what_to_do,
+    an_unbuilt_layer_is_refused,
+)
+
+
+if __name__ == "__main__":
+    for check in CHECKS:
+        check()
+        print("ok", flush=True)
