@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import types
 import warnings
@@ -19,6 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 import torch
 
@@ -508,6 +510,34 @@ def test_a_function_reading_a_captured_numpy_array_warns_unless_read_only():
     assert activity_warnings(record) == []
 
 
+class Scaler:
+    """A callable object holding an array: its __call__ reads its own state."""
+
+    def __init__(self, weight):
+        self.weight = weight
+
+    def __call__(self, z):
+        return self.weight * z
+
+    def apply(self, z):
+        return self.weight * z
+
+
+@pytest.mark.parametrize("as_method", [False, True], ids=["callable object", "bound method"])
+def test_a_callable_object_holding_arrays_warns_that_its_changes_in_place_are_not_seen(as_method):
+    # A callable passed the check meant for functions (a closure over writable numpy): no warning,
+    # and the compiled call kept the weight of its first trace
+    x, scaler = jnp.ones(3), Scaler(jnp.array([1.0, 2.0, 3.0]))
+    g = scaler.apply if as_method else scaler
+    kind = "a method of a Scaler" if as_method else "a Scaler"
+    with pytest.warns(UserWarning, match=rf"argument 1 \(counting from 0 after f\) \(Constant\) at \(the argument itself\) is {kind}, which can change in place"):
+        prepared = ad.prepare(ad.gradient, lambda x, g: jnp.sum(g(x)), Active(x), Constant(g))
+    np.testing.assert_allclose(prepared(x, g), [1.0, 2.0, 3.0], **TOL)
+    scaler.weight = jnp.zeros(3)  # what the warning says: the compiled code holds the traced weight
+    np.testing.assert_allclose(prepared(x, g), [1.0, 2.0, 3.0], **TOL)
+    np.testing.assert_allclose(ad.gradient(lambda x, g: jnp.sum(g(x)), Active(x), Constant(g)), [0.0, 0.0, 0.0], **TOL)
+
+
 class Mode(enum.Enum):
     PLAIN = 1
 
@@ -518,6 +548,9 @@ def test_common_static_leaves_raise_no_false_alarm(mlp):
         "name": "plain", "scale": 2.0, "count": 3, "flag": True, "mode": Mode.PLAIN, "dtype": jnp.float32,
         "np_dtype": np.dtype("float32"), "fn": jnp.tanh, "builtin": len, "lambda": lambda z: z,
         "names": ("a", "b"), "none": None,
+        # function-like objects of JAX's own, callables without arrays, a method of a frozen module
+        "custom_jvp": jax.nn.relu, "jitted": jax.jit(jnp.tanh), "partial": functools.partial(jnp.add, 1.0),
+        "method of a frozen module": mlp.__call__, "optax": optax.adam(1e-3).update,
     }
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -571,7 +571,13 @@ def _stale_reason(leaf: Any) -> str | None:
             f"argument of its own, Constant(model) or Active(model): its variables' values are then the "
             f"call's inputs."
         )
-    if callable(leaf):
+    if isinstance(leaf, types.MethodType):  # `model.apply`: what it reads is its object's state
+        owner = leaf.__self__
+        if not _holds_arrays(owner) or not _mutable(owner):
+            return None
+        return f"a method of {_changes_in_place(owner)}"
+    if callable(leaf) and (isinstance(leaf, (types.FunctionType, functools.partial)) or not _holds_arrays(leaf)):
+        # a function, or a function-like object (jax.jit's, a custom_jvp such as jax.nn.relu)
         if not _captures_writable_numpy(leaf):
             return None
         return (
@@ -590,9 +596,34 @@ def _stale_reason(leaf: Any) -> str | None:
             return None
         if not state:  # a marker object (Equinox's SharedNode): f cannot have read anything from it
             return None
-        mutable = cls.__hash__ is None or cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
+        mutable = _mutable(leaf)
     if not mutable:
         return None
+    return _changes_in_place(leaf)
+
+
+def _mutable(value: Any) -> bool:
+    """Whether a call may match ``value`` to itself though it changed: unhashable, or equal only to itself."""
+    cls = type(value)
+    return cls.__hash__ is None or cls.__eq__ is object.__eq__  # type: ignore[comparison-overlap]
+
+
+def _holds_arrays(value: Any) -> bool:
+    """Whether ``value``'s attributes hold an array, directly or in a list, tuple or dict (a callable
+    object such as ``Scaler(w)``, whose ``__call__`` reads ``self.w``)."""
+    try:
+        state = vars(value)
+    except TypeError:
+        return False
+    for attribute in state.values():
+        items = attribute.values() if isinstance(attribute, dict) else attribute if isinstance(attribute, (list, tuple)) else (attribute,)
+        if any(arrays.is_array(item) for item in items):
+            return True
+    return False
+
+
+def _changes_in_place(value: Any) -> str:
+    cls = type(value)
     identity = ", for this class identity" if cls.__eq__ is object.__eq__ else ""  # type: ignore[comparison-overlap]
     return (
         f"a {cls.__name__}, which can change in place. {_STATIC_RULE}{identity}: the same object always "
