@@ -158,6 +158,13 @@ class Child(nn.Module):
         return h @ self.parent().inner.weight
 
 
+class Holder:
+    """A plain helper object (no dataclass, not callable), as a library's cache or strategy object is."""
+
+    def __init__(self, weight, seen):
+        self.weight, self.seen = weight, seen
+
+
 class HeldElsewhere(nn.Module):
     """Parameters and a buffer its forward reaches through plain Python containers as well
     as through its slots, as models that keep lists of their weights do."""
@@ -174,6 +181,7 @@ class HeldElsewhere(nn.Module):
             "namedtuple": lambda: Pair(self.inner.weight, self.seen),
             "dataclass": lambda: Record(self.inner.weight, self.seen),
             "namespace": lambda: types.SimpleNamespace(weight=self.inner.weight, seen=self.seen),
+            "plain object": lambda: Holder(self.inner.weight, self.seen),
         }
         if how in held:
             self.extra = held[how]()
@@ -204,7 +212,7 @@ def held_elsewhere(how: str) -> nn.Module:
         return HeldElsewhere(how)
 
 
-@pytest.mark.parametrize("how", ["list", "dict", "namedtuple", "dataclass", "namespace", "partial", "weakref"])
+@pytest.mark.parametrize("how", ["list", "dict", "namedtuple", "dataclass", "namespace", "plain object", "partial", "weakref"])
 def test_a_parameter_held_in_a_plain_container_is_differentiated_there_too(how):
     """The view redirected lists, tuples and dicts of submodules, not of tensors, nor any
     other container: f's forward reached the user's own parameter through ``self.extra``

@@ -10,8 +10,8 @@ The view must behave like the module *as it is called*, so what a module's
 ``__dict__`` holds of the tree is redirected to the view: bound methods and
 ``functools.partial`` objects that refer to a module of the tree (an instance
 level ``forward``, accelerate's hooks); plain containers (lists, tuples,
-namedtuples, sets, dicts, dataclasses, namespaces, callable objects, weak
-references) of its submodules, parameters and buffers
+namedtuples, sets, dicts, dataclasses, namespaces, callable objects, any other
+object with a ``__dict__``, weak references) of its submodules, parameters and buffers
 (``self.extra = [self.lin.weight]``: the view's tensor, the tape leaf of a
 differentiated one); the user's hooks that hold the model (a callable object,
 a partial: the view gets its own copy of that hook dict); and compilation
@@ -24,7 +24,6 @@ parameters, in a closure cannot be redirected and is refused before ``f`` runs.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import itertools
 import operator
@@ -427,17 +426,18 @@ def _partial_parts(value: functools.partial[Any]) -> tuple[Any, ...]:
 
 
 def _is_record(value: Any) -> bool:
-    """A dataclass instance, a ``types.SimpleNamespace`` or a callable object (a hook such as
-    ``Scaler(model)`` with a ``__call__``): attributes a view can rebuild in a copy."""
+    """An object whose attributes a view can rebuild in a copy: a dataclass instance, a
+    ``types.SimpleNamespace``, a callable object (a hook such as ``Scaler(model)``), or any other
+    instance with a ``__dict__`` (a helper such as ``self.helper = Helper(self.encoder)``, whose
+    ``helper.encoder(x)`` in the forward would otherwise run the user's submodule, not the view's:
+    the derivative through it lost)."""
     if isinstance(value, types.SimpleNamespace):
         return True
-    if isinstance(value, (type, types.FunctionType)) or not hasattr(value, "__dict__"):
-        return False
-    return dataclasses.is_dataclass(value) or callable(value)
+    return not isinstance(value, (type, types.FunctionType, types.ModuleType)) and hasattr(value, "__dict__")
 
 
 def _contents(value: Any) -> Any:
-    """The values a plain container holds (lists, tuples, sets, dicts, dataclasses, namespaces, a
+    """The values a plain container holds (lists, tuples, sets, dicts, objects' attributes, a
     weak reference's target), which a view redirects (`_redirect`); None for anything else."""
     if isinstance(value, (list, tuple, set, frozenset)):
         return value
