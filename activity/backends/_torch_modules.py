@@ -398,6 +398,10 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
         else:
             rebuilt.__dict__.update((k, _redirect(v, views)) for k, v in vars(value).items())
         return rebuilt
+    if _is_pytree_node(value):  # a tensordict TensorDict: rebuilt by its library around the view's parts
+        pytree = sys.modules["torch.utils._pytree"]
+        leaves, spec = pytree.tree_flatten(value)
+        return pytree.tree_unflatten([_redirect(leaf, views) for leaf in leaves], spec)
     return value
 
 
@@ -418,7 +422,8 @@ def _is_record(value: Any) -> bool:
 
 def _contents(value: Any) -> Any:
     """The values a plain container holds (lists, tuples, sets, dicts, dataclasses, namespaces, a
-    weak reference's target), which a view redirects (`_redirect`); None for anything else."""
+    weak reference's target, the leaves of a torch pytree node), which a view redirects
+    (`_redirect`); None for anything else."""
     if isinstance(value, (list, tuple, set, frozenset)):
         return value
     if isinstance(value, dict):
@@ -427,7 +432,19 @@ def _contents(value: Any) -> Any:
         return (value(),)
     if _is_record(value):
         return vars(value).values()
+    if _is_pytree_node(value):  # all its leaves at once: a TensorDict nests deeper than the depth limit
+        return sys.modules["torch.utils._pytree"].tree_leaves(value)
     return None
+
+
+def _is_pytree_node(value: Any) -> bool:
+    """Whether ``value`` is a container registered with torch's pytree that the cases above do
+    not take apart: a tensordict ``TensorDict`` (a ``TensorDictParams`` reads its parameters from
+    one, not from its parameter slots; torchrl's losses keep their networks' parameters so),
+    taken apart and rebuilt as ``torch.func`` does. Without it the view used the user's own
+    parameters through the container, and that path was left out of the derivative, silently."""
+    pytree = sys.modules.get("torch.utils._pytree")
+    return pytree is not None and type(value) in pytree.SUPPORTED_NODES
 
 
 @attrs.frozen
