@@ -24,7 +24,7 @@ import torchsde
 import transformers
 import zuko
 from diffusers import UNet2DConditionModel
-from tensordict import TensorDict
+from tensordict import TensorDict, tensorclass
 from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictParams
 from torch import nn
 from torchrl.modules import IndependentNormal, ProbabilisticActor, ValueOperator
@@ -114,6 +114,34 @@ def test_a_tensordictparams_is_differentiated_through_the_tensordict_it_reads():
     assert_close_dicts(ad.hvp(_call, Active(model), Constant(x), tangent=tangent), _hvp_of(_call, twin, tangent, x), **CLOSE)
     jvp = sum((want[n] * tangent[n]).sum() for n in want)  # the directional derivative, from torch's gradient
     torch.testing.assert_close(ad.pushforward(_call, Active(model), Constant(x), tangent=tangent), jvp, **CLOSE)
+    assert intact()
+
+
+@tensorclass
+class _Gains:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class _HeldInATensorclass(nn.Module):
+    """Parameters registered as usual and read through a tensorclass attribute that holds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.a, self.b = nn.Parameter(randn(3, seed=4)), nn.Parameter(randn(3, seed=5))
+        self.gains = _Gains(a=self.a, b=self.b, batch_size=[])
+
+    def forward(self, x):
+        return (self.lin(x) * self.gains.a).sin().sum() + self.gains.b.pow(2).sum()
+
+
+def test_parameters_read_through_a_tensorclass_attribute_are_differentiated():
+    """The view rebuilt the tensorclass (a dataclass) but not the TensorDict inside it, which kept
+    the user's parameters: a and b came back wrong (only their other uses counted), silently."""
+    model, twin, x = _seeded(_HeldInATensorclass), _seeded(_HeldInATensorclass), randn(4, 3, seed=6)
+    intact = untouched(Active(model), Constant(x))
+    assert_close_dicts(ad.gradient(_call, Active(model), Constant(x)), raw_gradient_of(_call, twin, x), **CLOSE)
     assert intact()
 
 
