@@ -191,12 +191,29 @@ def test_compiled_and_rebound_modules_are_differentiated_as_called(train):
         assert_unchanged(model, before)  # BatchNorm statistics of the user's model included
 
 
-def test_a_forward_closing_over_the_module_is_refused_before_f_runs():
-    model = mlp()
+def test_a_forward_closing_over_the_module_runs_on_the_view():
+    model, x = bn_model().train(), randn(5, 3)
     original = model.forward
     model.forward = lambda x: original(x) * 2  # captures the module through `original`
-    with pytest.raises(UnsupportedError, match="closure or a global name"):
-        ad.gradient(squared, Active(model), Constant(randn(2, 3)))
+    before = snapshot(model)
+    want = hand_gradient(lambda m, x: 4 * squared(m, x), bn_model().train(), x)
+    assert_dict_close(ad.gradient(squared, Active(model), Constant(x)), want)
+    assert_unchanged(model, before)  # the view's BatchNorm ran, not the user's
+
+
+_GLOBAL_FORWARD = None
+
+
+def test_a_forward_reaching_the_module_through_a_global_name_is_refused_before_f_runs():
+    global _GLOBAL_FORWARD
+    model = mlp()
+    _GLOBAL_FORWARD = model.forward
+    try:
+        model.forward = lambda x: _GLOBAL_FORWARD(x) * 2
+        with pytest.raises(UnsupportedError, match="global name"):
+            ad.gradient(squared, Active(model), Constant(randn(2, 3)))
+    finally:
+        _GLOBAL_FORWARD = None
 
 
 # ---------------------------------------------------------------- 9: outer grad modes
@@ -833,8 +850,8 @@ def test_a_forward_replaced_after_preparation_is_checked_again():
     before = snapshot(model)
     original = model.forward
     model.forward = lambda x: original(x) * 2  # same attribute, now a closure over the user's module
-    with pytest.raises(UnsupportedError, match="closure or a global name"):
-        prepared(model, x)
+    want = hand_gradient(lambda m, x: 4 * squared(m, x), bn_model().train(), x)
+    assert_dict_close(prepared(model, x), want)  # the new forward, on the view
     assert_unchanged(model, before)  # the original module never ran: its BatchNorm statistics are as they were
 
 

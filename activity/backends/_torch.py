@@ -221,8 +221,9 @@ class AutoTorch(Backend):
         return described(module)
 
     def bind_module(self, module: ModuleDescription, params: list[Any] | None) -> Any:
-        if params is None and not (module.has_buffers or module.has_inference):
-            return module.module  # a Constant module that nothing can change runs as it is
+        # A Constant module without buffers gets a view too: what f sets on its submodules (a
+        # torchmetrics Metric's states and update count, a counter of calls) must not reach the
+        # user's module, and a view costs a dict copy per submodule, not a tensor copy.
         return bound_view(module, params, _copy_for_view)
 
     # -- execution ------------------------------------------------------------

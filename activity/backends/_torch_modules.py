@@ -1,24 +1,28 @@
 """Module views: how ``f`` gets a torch module whose parameters are the differentiated tensors.
 
-A *view* is a structural copy of a module: each copied submodule shares the
-original's ``__dict__`` entries (flags, hooks, config) but has its own
-parameter, buffer and submodule slots. So the user's module, its buffers
-(BatchNorm statistics), flags and ``.grad`` never change, and a parameter
-shared by two arguments is differentiated only where it is Active.
+A *view* is a structural copy of a module: each of its submodules is copied,
+sharing the original's ``__dict__`` entries (flags, hooks, config) but with its
+own ``__dict__`` and its own parameter, buffer and submodule slots. So the
+user's module, its buffers (BatchNorm statistics), attributes, flags and
+``.grad`` never change, and a parameter shared by two arguments is
+differentiated only where it is Active.
 
 The view must behave like the module *as it is called*, so what a module's
 ``__dict__`` holds of the tree is redirected to the view: bound methods and
 ``functools.partial`` objects that refer to a module of the tree (an instance
-level ``forward``, accelerate's hooks); plain containers (lists, tuples,
-namedtuples, sets, dicts, dataclasses, namespaces, callable objects, any other
-object with a ``__dict__``, weak references) of its submodules, parameters and buffers
-(``self.extra = [self.lin.weight]``: the view's tensor, the tape leaf of a
-differentiated one); the user's hooks that hold the model (a callable object,
-a partial: the view gets its own copy of that hook dict); and compilation
-(``torch.compile(m)``'s wrapper and ``m.compile()``), which is bypassed: the
-view runs the module's own eager code, the same computation. A function
-(an attribute or a hook) that captures the module, or one of its trainable
-parameters, in a closure cannot be redirected and is refused before ``f`` runs.
+level ``forward``, accelerate's hooks); functions whose closure does (a copy
+with new cells: torchmetrics' wrapped ``update``); plain containers (lists,
+tuples, namedtuples, sets, dicts, dataclasses, namespaces, callable objects,
+any other object with a ``__dict__``, weak references, torch pytree nodes such
+as a ``TensorDict``) of its submodules, parameters and buffers
+(``self.extra = [self.lin.weight]``: the
+view's tensor, the tape leaf of a differentiated one); the user's hooks that
+hold the model (a callable object, a partial, a closure: the view gets its own
+copy of that hook dict); and compilation (``torch.compile(m)``'s wrapper and
+``m.compile()``), which is bypassed: the view runs the module's own eager code,
+the same computation. A function (an attribute or a hook) that reaches the
+module, or one of its trainable parameters, through a global name cannot be
+redirected and is refused before ``f`` runs.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from typing import Any, Callable
 import attrs
 
 from .._errors import UnsupportedError, caller_stacklevel
-from .._tree import captured_values
 from ._torch_keras import KERAS_WRAPPERS, check_built, keras_layer_type
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
@@ -364,8 +367,14 @@ def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
                 f"{type(value).__name__} around the view's parts. Hold them in a list, tuple, dict or namedtuple."
             )
         return found
-    if isinstance(value, types.FunctionType):  # its closure, or a global name, may hold the module
-        for content in captured_values(value):
+    if isinstance(value, types.FunctionType):
+        # Its closure may hold the module (torchmetrics wraps each Metric's `update` and `compute` in
+        # a closure over the metric; `m.forward = lambda x: original(x) * 2`): the view gets a copy
+        # of the function whose cells hold the view's parts (`_redirect`). A global name cannot be
+        # redirected so: the function would run the user's module, or differentiate nothing
+        # through a parameter it reads.
+        found = any([_refers_to_tree(cell, tree, where, depth + 1) for cell in _cell_contents(value)])
+        for content in _global_values(value):
             # (a buffer it reads is the user's, unchanged: the same values as the view's copy)
             held = id(content) in tree.trainable or (
                 not isinstance(content, torch.Tensor) and _refers_to_tree(content, tree, where, depth + 1)
@@ -373,12 +382,31 @@ def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
             if held:
                 raise UnsupportedError(
                     f"activity: the attribute {where} is a function that reaches a module or a parameter of "
-                    f"the argument through a closure or a global name. activity runs a view of the module "
-                    f"(the differentiated parameters, copies of the buffers), and that function would use "
-                    f"the original instead. Make it a method or functools.partial(function, module), or "
-                    f"remove it before differentiating."
+                    f"the argument through a global name. activity runs a view of the module (the "
+                    f"differentiated parameters, copies of the buffers), and that function would use the "
+                    f"original instead. Make it a method, or pass the module to it (functools.partial("
+                    f"function, module), or a closure), or remove it before differentiating."
                 )
+        return found
     return False
+
+
+def _cell_contents(function: types.FunctionType) -> list[Any]:
+    """What the closure cells of ``function`` hold (cells not filled yet apart)."""
+    contents = []
+    for cell in function.__closure__ or ():
+        try:
+            contents.append(cell.cell_contents)
+        except ValueError:  # a cell not filled yet
+            continue
+    return contents
+
+
+def _global_values(function: types.FunctionType) -> list[Any]:
+    """The globals ``function`` names (modules and classes apart)."""
+    namespace = function.__globals__
+    found = (namespace[name] for name in function.__code__.co_names if name in namespace)
+    return [value for value in found if not isinstance(value, (types.ModuleType, type))]
 
 
 def _redirect(value: Any, views: dict[int, Any]) -> Any:
@@ -397,6 +425,8 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
         for key, attribute in getattr(value, "__dict__", {}).items():  # __wrapped__ etc. (update_wrapper)
             setattr(new, key, _redirect(attribute, views))
         return new
+    if isinstance(value, types.FunctionType):
+        return _redirected_function(value, views)
     kind = type(value)
     if kind is list or kind is tuple or kind is set or kind is frozenset:
         return kind(_redirect(item, views) for item in value)
@@ -417,7 +447,55 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
         else:
             rebuilt.__dict__.update((k, _redirect(v, views)) for k, v in vars(value).items())
         return rebuilt
+    if _is_pytree_node(value):  # a tensordict TensorDict: rebuilt by its library around the view's parts
+        pytree = sys.modules["torch.utils._pytree"]
+        leaves, spec = pytree.tree_flatten(value)
+        return pytree.tree_unflatten([_redirect(leaf, views) for leaf in leaves], spec)
     return value
+
+
+def _redirected_function(function: types.FunctionType, views: dict[int, Any]) -> Any:
+    """A copy of ``function`` whose closure cells that reach the tree (`_reaches`) hold the
+    view's parts; the other cells are the function's own, so state it keeps in them (a
+    ``nonlocal`` counter, a list it appends to) is shared with the original as before."""
+    closure = function.__closure__ or ()
+    cells = tuple(
+        types.CellType(_redirect(content, views)) if _reaches(content := _cell_or_none(cell), views, depth=0) else cell
+        for cell in closure
+    )
+    if all(new is old for new, old in zip(cells, closure)):
+        return function
+    new = types.FunctionType(function.__code__, function.__globals__, function.__name__, function.__defaults__, cells)
+    new.__kwdefaults__ = function.__kwdefaults__
+    new.__qualname__, new.__module__, new.__doc__ = function.__qualname__, function.__module__, function.__doc__
+    new.__annotations__ = function.__annotations__
+    for key, attribute in function.__dict__.items():  # __wrapped__ (functools.wraps) etc.
+        setattr(new, key, _redirect(attribute, views))
+    return new
+
+
+def _cell_or_none(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return None
+
+
+def _reaches(value: Any, views: dict[int, Any], depth: int) -> bool:
+    """Whether ``value`` holds, where `_redirect` replaces them, a module or tensor ``views``
+    has a view of: `_refers_to_tree` at call time, for a closure's cells."""
+    if depth > 3:
+        return False
+    torch = sys.modules["torch"]
+    if isinstance(value, (torch.nn.Module, torch.Tensor)):
+        return id(value) in views
+    if isinstance(value, types.MethodType):
+        return _reaches(value.__self__, views, depth + 1) or _reaches(value.__func__, views, depth + 1)
+    if isinstance(value, functools.partial):
+        return any(_reaches(part, views, depth + 1) for part in _partial_parts(value))
+    if isinstance(value, types.FunctionType):
+        return any(_reaches(content, views, depth + 1) for content in _cell_contents(value))
+    return any(_reaches(item, views, depth + 1) for item in _contents(value) or ())
 
 
 def _partial_parts(value: functools.partial[Any]) -> tuple[Any, ...]:
@@ -438,7 +516,8 @@ def _is_record(value: Any) -> bool:
 
 def _contents(value: Any) -> Any:
     """The values a plain container holds (lists, tuples, sets, dicts, objects' attributes, a
-    weak reference's target), which a view redirects (`_redirect`); None for anything else."""
+    weak reference's target, the leaves of a torch pytree node), which a view redirects
+    (`_redirect`); None for anything else."""
     if isinstance(value, (list, tuple, set, frozenset)):
         return value
     if isinstance(value, dict):
@@ -447,7 +526,19 @@ def _contents(value: Any) -> Any:
         return (value(),)
     if _is_record(value):
         return vars(value).values()
+    if _is_pytree_node(value):  # all its leaves at once: a TensorDict nests deeper than the depth limit
+        return sys.modules["torch.utils._pytree"].tree_leaves(value)
     return None
+
+
+def _is_pytree_node(value: Any) -> bool:
+    """Whether ``value`` is a container registered with torch's pytree that the cases above do
+    not take apart: a tensordict ``TensorDict`` (a ``TensorDictParams`` reads its parameters from
+    one, not from its parameter slots; torchrl's losses keep their networks' parameters so),
+    taken apart and rebuilt as ``torch.func`` does. Without it the view used the user's own
+    parameters through the container, and that path was left out of the derivative, silently."""
+    pytree = sys.modules.get("torch.utils._pytree")
+    return pytree is not None and type(value) in pytree.SUPPORTED_NODES
 
 
 @attrs.frozen
@@ -466,7 +557,7 @@ class _ViewPlan:
     """How to build a view of a described module: what `bound_view` does on every call,
     worked out once per description (the walk, the sharing, which submodules stay)."""
 
-    steps: tuple[Any, ...]  # children before parents; a step is a _Copy, or a module used as it is
+    steps: tuple[Any, ...]  # one _Copy per submodule, children before parents
     sources: tuple[Any, ...]  # the tensors a call converts (buffers, parameters not replaced), each once
     n_params: int  # the replaced parameters come first in the call's tensors
     root: int
@@ -497,23 +588,19 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
             index_of[id(m)] = found = visit(m._orig_mod)  # type: ignore[attr-defined]  # torch.compile(m): its eager code, through a view
             return found
         children = tuple((k, -1 if c is None else visit(c)) for k, c in m._modules.items())
-        copied = (
-            id(m) in module.redirected
-            or any(p is not None for p in m._parameters.values())
-            or any(b is not None for b in m._buffers.values())
-            or any(step >= 0 and isinstance(steps[step], _Copy) for _, step in children)
-        )
-        if copied:
-            step = _Copy(
+        # Every submodule is copied, one without parameters or buffers too: what f sets on it (a
+        # counter of calls, a torchmetrics Metric's update count and states) must reach the view,
+        # never the user's module, and a function attribute redirected to the view (a Metric's
+        # wrapped `update`) must find the view's module where the user's stands.
+        steps.append(
+            _Copy(
                 weakref.ref(m),
                 tuple((k, slot(p)) for k, p in m._parameters.items()),
                 tuple((k, slot(b)) for k, b in m._buffers.items()),
                 children,
                 "_flat_weights_names" in m.__dict__,
             )
-        else:
-            step = m
-        steps.append(step)
+        )
         index_of[id(m)] = len(steps) - 1
         return len(steps) - 1
 
@@ -521,7 +608,7 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
     redirects = tuple(
         (i, module.redirected[id(step.original_ref())])
         for i, step in enumerate(steps)
-        if isinstance(step, _Copy) and id(step.original_ref()) in module.redirected
+        if id(step.original_ref()) in module.redirected
     )
     # Only the tensors a redirected value holds: a view redirects on every call.
     held: set[int] = set()
@@ -551,6 +638,9 @@ def _tensor_ids(value: Any, found: set[int], depth: int) -> None:
     elif isinstance(value, functools.partial):
         for part in _partial_parts(value):
             _tensor_ids(part, found, depth + 1)
+    elif isinstance(value, types.FunctionType):
+        for content in _cell_contents(value):
+            _tensor_ids(content, found, depth + 1)
     else:
         for item in _contents(value) or ():
             _tensor_ids(item, found, depth + 1)
@@ -570,7 +660,6 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
     parameter replaced). Every other parameter and buffer is ``convert``-ed (a
     clone for AD, a float64 copy for finite differences). Shared submodules and
     tied parameters stay shared in the view; the original is never written.
-    A submodule with nothing to replace inside it is used as it is.
     """
     plan = _plan_of(module, params is not None)
     return _views(plan, [*(params or ()), *map(convert, plan.sources)])[plan.root]
@@ -582,9 +671,6 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
     view's ``__dict__``, the view's own slots)."""
     views: list[Any] = []
     for step in plan.steps:
-        if not isinstance(step, _Copy):
-            views.append(step)
-            continue
         original = step.original_ref()
         state = original.__dict__.copy()
         held = original._parameters
@@ -704,18 +790,16 @@ class ReusedView:
         self.views = _views(plan, [*self.leaves, *self.held], copies)
         self.root = self.views[plan.root]
         self.copies = tuple(copies)
-        copied_steps = [step for step in plan.steps if isinstance(step, _Copy)]
         # Where each held tensor goes: (slots dict, key, index into plan.sources).
         n = len(self.leaves)
         self.refills = tuple(
             (slots, key, i - n)
-            for step, (_, _, own) in zip(copied_steps, copies)
+            for step, (_, _, own) in zip(plan.steps, copies)
             for slots, entries in ((own["_parameters"], step.params), (own["_buffers"], step.buffers))
             for key, i in entries
             if i >= n
         )
-        # The copied submodules (the rest are the user's own, used as they are).
-        self.copied = tuple(view for view, step in zip(self.views, plan.steps) if isinstance(step, _Copy))
+        self.copied = tuple(self.views)
         self.held_copies = tuple(self.held[i] for i in self.kept)
         self.references = self._references()
 
