@@ -28,6 +28,7 @@ redirected and is refused before ``f`` runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import operator
@@ -511,7 +512,10 @@ def _is_record(value: Any) -> bool:
     the derivative through it lost)."""
     if isinstance(value, types.SimpleNamespace):
         return True
-    return not isinstance(value, (type, types.FunctionType, types.ModuleType)) and hasattr(value, "__dict__")
+    if isinstance(value, (type, types.FunctionType, types.ModuleType)) or not hasattr(value, "__dict__"):
+        return False
+    # a torch pytree node (a TensorDict) is taken apart by its own library, not by its __dict__
+    return dataclasses.is_dataclass(value) or callable(value) or not _is_pytree_node(value)
 
 
 def _contents(value: Any) -> Any:
