@@ -17,6 +17,15 @@
   differentiated in its ``nnx.Param`` variables and comes back as an ``nnx.State``
   in its place, the other leaves follow the pytree rule, and a variable shared by
   two of the modules is one parameter, listed under its first one.
+- A Penzai model (or any pytree holding Penzai variables): its ``pz.Parameter``
+  variables, as Penzai's own recipe (``pz.unbind_params(model, freeze=True)``,
+  ``jax.grad`` of the frozen values, ``pz.bind_variables`` inside) and its
+  trainer differentiate. The result is the tuple of ``pz.ParameterValue`` of
+  gradients, one per Parameter in ``pz.unbind_params`` order (what the optax
+  state built from ``pz.freeze_params`` takes); a Parameter used at two places
+  is one entry. ``pz.StateVariable`` values are data. ``f`` gets a model bound
+  to fresh variables on every call, so what ``f`` writes into a variable never
+  reaches the user's (Penzai variables are mutable Python objects, not pytrees).
 - A torch module: its parameters with ``requires_grad=True``; the torch backend's
   module descriptions (`backends._torch_modules`) implement it.
 """
@@ -30,7 +39,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ._tree import flatten, unflatten
+from ._tree import flatten, leaf_paths, unflatten
 
 
 def is_python_number(leaf: Any) -> bool:
@@ -160,20 +169,73 @@ class NNXModulesInPytree:
         return f"a {type(value).__name__} holding Flax NNX modules"
 
 
+@attrs.frozen(eq=False)
+class PenzaiVariables:
+    """Penzai: a pytree holding ``pz.Parameter`` and ``pz.StateVariable`` objects (a ``pz.nn``
+    model). Variables are mutable Python objects, leaves to JAX, so a plain pytree split
+    would take a model for one without arrays (and compile its parameters in as static
+    values). Split as Penzai's own recipe does: ``pz.unbind_variables`` leaves the model with
+    slots (its other arrays stay leaves of it), the Parameters' frozen values are the
+    differentiated part, the other variables' frozen values are data; f gets the model bound
+    to fresh copies of the variables."""
+
+    library = "penzai"
+
+    def split(self, value: Any) -> tuple[Any, Any, Any]:
+        variables = sys.modules["penzai.core.variables"]
+        unbound, found = variables.unbind_variables(value)  # a label two variables share is Penzai's error
+        params = tuple(var.freeze() for var in found if isinstance(var, variables.Parameter))
+        others = tuple(var.freeze() for var in found if not isinstance(var, variables.Parameter))
+        return None, _floats_as_arrays(params), (unbound, others)
+
+    def merge(self, static: Any, params: Any, rest: Any) -> Any:
+        unbound, others = rest
+        fresh = [value.unfreeze_as_copy() for value in (*params, *others)]
+        return sys.modules["penzai.core.variables"].bind_variables(unbound, fresh)
+
+    def result(self, static: Any, params: Any) -> Any:
+        return params  # a tuple of pz.ParameterValue, as jax.grad of pz.unbind_params(model, freeze=True)[1]
+
+    def mask(self, static: Any, where: Any) -> Any:
+        """A ``where=`` pytree of bools: one per Parameter, in ``pz.unbind_params`` order."""
+        return where
+
+    def mask_paths(self, params: Any) -> list[str]:
+        """The paths a ``where`` callable is given: each Parameter's label (``"mlp/Linear_0.weights"``),
+        followed by the path inside its value where that is a pytree of several arrays."""
+        paths = []
+        for param in params:
+            inner = leaf_paths(param.value)
+            if len(inner) == 1:
+                inner = [""]  # one array (a NamedArray's data too): the label names it
+            paths += [f"{param.label}{path}" for path in inner]
+        return paths
+
+    def describe(self, value: Any) -> str:
+        return f"a {type(value).__name__} holding Penzai variables"
+
+
 _NNX = NNXModule()
 _NNX_IN_PYTREE = NNXModulesInPytree()
+_PENZAI = PenzaiVariables()
 
 
-def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | None:
+def _is_penzai_variable(leaf: Any) -> bool:
+    return isinstance(leaf, sys.modules["penzai.core.variables"].AbstractVariable)
+
+
+def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | PenzaiVariables | None:
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
-    nnx = sys.modules.get("flax.nnx")  # a module of a library not imported cannot be this one
-    if nnx is None:
-        return None
-    if isinstance(value, nnx.Module):
-        return _NNX
-    if any(_is_nnx_module(leaf) for leaf in flatten(value, is_leaf=_is_nnx_module)[0]):
-        return _NNX_IN_PYTREE
+    # a model of a library not imported cannot be this one
+    nnx, penzai = sys.modules.get("flax.nnx"), sys.modules.get("penzai.core.variables")
+    if nnx is not None:
+        if isinstance(value, nnx.Module):
+            return _NNX
+        if any(_is_nnx_module(leaf) for leaf in flatten(value, is_leaf=_is_nnx_module)[0]):
+            return _NNX_IN_PYTREE
+    if penzai is not None and any(map(_is_penzai_variable, flatten(value)[0])):
+        return _PENZAI
     return None
 
 
-__all__ = ["is_python_number", "adapter_for", "NNXModule", "NNXModulesInPytree"]
+__all__ = ["is_python_number", "adapter_for", "NNXModule", "NNXModulesInPytree", "PenzaiVariables"]

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
-from ._conventions import adapter_for, is_python_number
+from ._conventions import PenzaiVariables, adapter_for, is_python_number
 from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
 from ._tree import LEAF, flatten, leaf_paths, same_static_value, structure_difference, unflatten
 
@@ -382,7 +382,12 @@ class Problem:
             or _complex_parameter(leaf, index, trainable, in_tree)  # asked too: selected, it is refused
             for index, leaf in enumerate(leaves)
         ]
-        paths = _mask_paths(tree, adapter is not None) if in_tree else [""]
+        if not in_tree:
+            paths = [""]
+        elif isinstance(adapter, PenzaiVariables):  # each Parameter named by its label
+            paths = adapter.mask_paths(tree) + [""] * (len(leaves) - trainable)  # the rest is never a candidate
+        else:
+            paths = _mask_paths(tree, adapter is not None)
         if predicate:
             marks: list[Any] = [None] * len(leaves)
         else:

