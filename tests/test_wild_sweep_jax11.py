@@ -117,3 +117,32 @@ def test_a_penzai_state_variable_f_writes_is_never_the_users_and_a_shared_parame
     assert_trees(ad.gradient(loss, Active(model), Constant(x), has_aux=True), expected)
     assert_trees(ad.gradient(lambda x, m: loss(m, x), Active(x), Constant(model), has_aux=True)[1], expected[1])
     assert float(layer.calls.value) == 0.0  # the new count came back as aux only
+
+
+# ------------------------------------------------------------------ forward-only operations
+
+
+def test_jacobian_takes_forward_mode_through_an_operation_without_a_reverse_rule():
+    # jacobian linearised f in reverse mode before choosing its mode, so an f with more
+    # outputs than inputs through a custom_vmap function (or a Pallas kernel) was refused.
+    @jax.custom_batching.custom_vmap
+    def sine(x):
+        return jnp.sin(x)
+
+    @sine.def_vmap
+    def _(axis_size, in_batched, xs):
+        return jnp.sin(xs), in_batched[0]
+
+    grid = jnp.arange(4.0) / 4
+    tall = lambda s, grid: sine(grid * s)  # noqa: E731
+    s = jnp.array(0.5)
+    np.testing.assert_allclose(ad.jacobian(tall, Active(s), Constant(grid)), jax.jacfwd(tall)(s, grid), rtol=1e-6)
+    prepared = ad.prepare(ad.value_and_jacobian, tall, Active(s), Constant(grid))
+    value, jac = prepared(2 * s, grid)
+    np.testing.assert_allclose(value, tall(2 * s, grid), rtol=1e-6)
+    np.testing.assert_allclose(jac, jax.jacfwd(tall)(2 * s, grid), rtol=1e-6)
+    # reverse mode is still refused, with a note on what differentiates such an f
+    with pytest.raises(ValueError, match="Linearization failed") as refused:
+        ad.gradient(lambda x: jnp.sum(sine(x)), Active(grid))
+    (note,) = [note for note in refused.value.__notes__ if note.startswith("(raised by JAX when activity.gradient")]
+    assert "activity.pushforward" in note and "jax.custom_vjp" in note

@@ -106,6 +106,9 @@ class AutoJAX(Backend):
 
         return ys, aux, pull
 
+    def forward_only(self, error: Exception) -> bool:
+        return isinstance(error, ValueError) and _NO_TRANSPOSE in str(error)
+
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
         def scalar(xs_: Flat) -> tuple[Any, tuple[Any, ...]]:
             ys, aux = F(xs_)
@@ -472,6 +475,9 @@ _REVERSE_LOOP = "Reverse-mode differentiation does not work for lax.while_loop"
 _REVERSE_NOTE = "(raised by JAX when activity."
 
 
+_NO_TRANSPOSE = "Linearization failed to produce known values for all output primals"
+
+
 def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
     """Say, on JAX's refusal to differentiate a loop of unknown length in reverse mode, which
     operators work and why a prepared call may refuse what an unprepared one took: JAX raises
@@ -480,7 +486,20 @@ def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
     source = getattr(F, "source", None)  # F is f's gradient, differentiated again (reverse over reverse)
     if source is not None:
         problem = getattr(source, "problem", None)
-    if _REVERSE_LOOP not in str(error) or problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+    if problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+        return
+    if _NO_TRANSPOSE in str(error) and source is None:
+        # An operation JAX can linearise but not transpose: a Pallas kernel, a custom_vmap function.
+        add_note(
+            error,
+            f"{_REVERSE_NOTE}{problem.op_name} on {problem.backend!r} differentiated f in reverse mode) An "
+            f"operation in f has a forward-mode rule but none for reverse mode (a pallas_call kernel, a "
+            f"jax.custom_batching.custom_vmap function). Forward mode differentiates it: activity.pushforward, "
+            f"activity.derivative, or activity.jacobian of an f with more outputs than inputs. For reverse mode "
+            f"(gradient, pullback, hvp), give that operation a jax.custom_vjp rule.",
+        )
+        return
+    if _REVERSE_LOOP not in str(error):
         return
     if source is not None:
         # The first reverse pass went through, so the loop is in f's derivative: a jax.custom_vjp
