@@ -146,3 +146,49 @@ def test_jacobian_takes_forward_mode_through_an_operation_without_a_reverse_rule
         ad.gradient(lambda x: jnp.sum(sine(x)), Active(grid))
     (note,) = [note for note in refused.value.__notes__ if note.startswith("(raised by JAX when activity.gradient")]
     assert "activity.pushforward" in note and "jax.custom_vjp" in note
+
+
+# ------------------------------------------------------------------ devices and sharding
+
+_ON_TWO_DEVICES = '''
+import jax, jax.numpy as jnp, numpy as np
+import activity as ad
+from activity import Active, Constant
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+assert len(jax.devices()) == 2
+f = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)
+mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+w = jax.device_put(jnp.arange(8.0).reshape(4, 2) / 8, NamedSharding(mesh, P("data", None)))
+x = jax.device_put(jnp.ones((6, 4)), NamedSharding(mesh, P(None, "data")))
+prepared = ad.prepare(ad.gradient, f, Active(w), Constant(x))
+for data in (x, 2 * x):
+    np.testing.assert_allclose(prepared(w, data), jax.grad(f)(w, data), rtol=1e-5)
+np.testing.assert_allclose(ad.gradient(f, Active(w), Constant(x), backend=ad.AutoFiniteDifferences()), jax.grad(f)(w, x), rtol=1e-4)
+
+# results come back on the device of the inputs, from every backend
+on_one = jax.device_put(jnp.array([0.5, -1.0, 2.0]), jax.devices()[1])
+cube = lambda w: jnp.sum(w ** 3)
+for backend in (ad.AutoJAX(), ad.AutoFiniteDifferences()):
+    value, grad = ad.value_and_gradient(cube, Active(on_one), backend=backend)
+    assert value.devices() == grad.devices() == {jax.devices()[1]}, (backend, value.devices(), grad.devices())
+    np.testing.assert_allclose(grad, 3 * on_one ** 2, rtol=1e-5)
+    jac = ad.jacobian(lambda w: w ** 2, Active(on_one), backend=backend)
+    assert jac.devices() == {jax.devices()[1]}, (backend, jac.devices())
+print("ok")
+'''
+
+
+def test_sharded_and_placed_arrays_keep_their_device_on_every_backend():
+    # The finite-difference reference took its differences in numpy and returned JAX arrays on
+    # the default device, whatever device the Active arrays were committed to.
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(ad.__file__).resolve().parent.parent  # the activity this suite imports
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", _ON_TWO_DEVICES], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

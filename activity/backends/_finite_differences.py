@@ -215,10 +215,13 @@ class AutoFiniteDifferences(Backend):
                 "module: it steps real values only (complex differentiation is not supported). Freeze it "
                 "(requires_grad_(False)), or hold it as two real parameters, its real and imaginary parts."
             )
+        _PLACEMENT.set(_one_device(xs))
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
 
     def finalize(self, result: Any, problem: Any) -> Any:
-        """Results in the inputs' framework, and in their dtype where all Active leaves share one."""
+        """Results in the inputs' framework, and in their dtype where all Active leaves share one;
+        JAX results on the one device the Active JAX arrays are committed to (the differences
+        are taken in numpy, whose arrays JAX would put on its default device)."""
         from .._problem import combine, partition
 
         dtypes = {str(d) for d in problem.diff_dtypes}
@@ -229,7 +232,10 @@ class AutoFiniteDifferences(Backend):
         dynamic, static = partition(result)
         if to_jax:
             jnp = sys.modules["jax"].numpy
-            dynamic = [jnp.asarray(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf for leaf in dynamic]
+            device = _PLACEMENT.get()
+            dynamic = [
+                jnp.asarray(leaf, device=device) if isinstance(leaf, (np.ndarray, np.generic)) else leaf for leaf in dynamic
+            ]
         if target is not None:
             dynamic = [_cast(leaf, target) for leaf in dynamic]
         return combine(dynamic, static)
@@ -462,6 +468,20 @@ class _Compiled:
 
 
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+# The device the Active JAX arrays of the current call are committed to (None: JAX's default).
+_PLACEMENT: contextvars.ContextVar[Any] = contextvars.ContextVar("_PLACEMENT", default=None)
+
+
+def _one_device(xs: Flat) -> Any:
+    """The one device every Active JAX array is committed to (``jax.device_put(x, device)``),
+    or None: uncommitted arrays, other frameworks, or arrays spread over several devices."""
+    placed = {x.sharding for x in xs if arrays.is_jax(x) and getattr(x, "committed", False)}
+    if len(placed) != 1:
+        return None
+    devices = next(iter(placed)).device_set
+    return next(iter(devices)) if len(devices) == 1 else None
 
 
 _CALLER = threading.local()  # the caller's own jax_enable_x64, while the reference runs in float64
