@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from beartype import beartype
+from jaxtyping import Array, Float, Float32, jaxtyped
 
 import activity as ad
 from activity import Active, Constant
@@ -192,3 +194,29 @@ def test_sharded_and_placed_arrays_keep_their_device_on_every_backend():
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", _ON_TWO_DEVICES], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ jaxtyping and beartype
+
+
+# At module level: with `from __future__ import annotations` the hints are strings, which
+# beartype resolves in the function's globals (inside a test function they went unchecked).
+@jaxtyped(typechecker=beartype)
+def _typed_loss(w: Float[Array, " n"], x: Float[Array, "b n"]) -> Float[Array, ""]:
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+@jaxtyped(typechecker=beartype)
+def _float32_loss(w: Float32[Array, " n"], x: Float32[Array, "b n"]) -> Float32[Array, ""]:
+    return _typed_loss(w, x)
+
+
+def test_a_jaxtyped_function_runs_on_every_backend_and_a_float32_check_under_the_reference_is_explained():
+    w, x = jnp.array([0.3, -0.2, 0.5]), jax.random.normal(jax.random.key(0), (4, 3))
+    expected = jax.grad(_typed_loss)(w, x)
+    np.testing.assert_allclose(ad.gradient(_typed_loss, Active(w), Constant(x)), expected, rtol=1e-6)
+    np.testing.assert_allclose(ad.gradient(_typed_loss, Active(w), Constant(x), backend=ad.AutoFiniteDifferences()), expected, rtol=1e-4)
+    # the reference evaluates f in float64: the check refuses, and a note says why and what to do
+    with pytest.raises(Exception, match="float64") as refused:
+        ad.gradient(_float32_loss, Active(w), Constant(x), backend=ad.AutoFiniteDifferences())
+    assert any(note.startswith("AutoFiniteDifferences evaluates f in float64") for note in refused.value.__notes__)

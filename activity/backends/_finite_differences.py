@@ -218,6 +218,20 @@ class AutoFiniteDifferences(Backend):
         _PLACEMENT.set(_one_device(xs))
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
 
+    def explain_error(self, error: Exception, active: str) -> str | None:
+        # f sees float64 arrays here, where the caller's own call passes float32: a dtype check in
+        # f (jaxtyping's Float32[...]) or an array f makes in float32 and mixes in may refuse them.
+        if not any(word in str(error) for word in _FLOAT64_WORDS):
+            return None
+        return (
+            "AutoFiniteDifferences evaluates f in float64 (its floating Active, Constant and Cache arrays are "
+            "converted, so that the differences are accurate), and f refused a float64 value: a dtype check in f "
+            "(jaxtyping's Float32[...], an assert on x.dtype) or an array f makes in float32 and mixes in (torch's "
+            "'double != float'). Let f follow its inputs' dtype (jaxtyping's Float[...], "
+            "torch.ones(3, dtype=x.dtype)), or pass such arrays as Constant arguments; activity.testing.check "
+            "also takes reference=<an AD backend>."
+        )
+
     def finalize(self, result: Any, problem: Any) -> Any:
         """Results in the inputs' framework, and in their dtype where all Active leaves share one;
         JAX results on the one device the Active JAX arrays are committed to (the differences
@@ -469,6 +483,9 @@ class _Compiled:
 
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
 
+
+# How a dtype check or a mixed-dtype operation names the float64 that f got (JAX, torch, numpy)
+_FLOAT64_WORDS = ("float64", "f64[", "Double", "double")
 
 # The device the Active JAX arrays of the current call are committed to (None: JAX's default).
 _PLACEMENT: contextvars.ContextVar[Any] = contextvars.ContextVar("_PLACEMENT", default=None)
