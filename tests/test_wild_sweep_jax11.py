@@ -220,3 +220,122 @@ def test_a_jaxtyped_function_runs_on_every_backend_and_a_float32_check_under_the
     with pytest.raises(Exception, match="float64") as refused:
         ad.gradient(_float32_loss, Active(w), Constant(x), backend=ad.AutoFiniteDifferences())
     assert any(note.startswith("AutoFiniteDifferences evaluates f in float64") for note in refused.value.__notes__)
+
+
+# ------------------------------------------------------------------ libraries that just work (regression guards)
+
+
+def test_chex_and_flax_struct_dataclasses_keep_their_static_fields_static():
+    import chex
+    import flax.struct
+
+    @chex.dataclass
+    class Params:
+        w: chex.Array
+        b: chex.Array
+
+    loss = lambda p, x: jnp.sum(jnp.tanh(x @ p.w + p.b) ** 2)  # noqa: E731
+    p, x = Params(w=jnp.full((3, 2), 0.3), b=jnp.array([0.1, -0.2])), jax.random.normal(jax.random.key(0), (4, 3))
+    grads = ad.gradient(loss, Active(p), Constant(x))
+    assert type(grads) is Params
+    assert_trees(grads, jax.grad(loss)(p, x))
+    only_w = ad.gradient(loss, Active(p, where=Params(w=True, b=False)), Constant(x))
+    assert only_w.b is None and np.allclose(only_w.w, grads.w)
+
+    @flax.struct.dataclass
+    class Scaled:
+        w: jax.Array
+        act: object = flax.struct.field(pytree_node=False)
+        scale: float = flax.struct.field(pytree_node=False, default=2.0)
+
+    f = lambda s, x: s.scale * jnp.sum(s.act(s.w * x))  # noqa: E731
+    s, data = Scaled(w=jnp.ones(3), act=jnp.tanh), jnp.arange(3.0)
+    prepared = ad.prepare(ad.gradient, f, Active(s), Constant(data))
+    assert_trees(prepared(s, data + 1), jax.grad(f)(s, data + 1))
+    with pytest.raises(ad.PreparationMismatchError, match="static data of a node differs"):
+        prepared(s.replace(scale=5.0), data)  # a pytree_node=False field is compiled in: never reused stale
+
+
+def test_distrax_distributions_and_bijectors_as_active_and_as_prepared_constants():
+    import distrax
+
+    x = jnp.array([0.3, -1.2, 2.0])
+    log_prob = lambda d, x: jnp.sum(d.log_prob(x))  # noqa: E731
+    mvn = distrax.MultivariateNormalTri(jnp.zeros(2), jnp.array([[1.0, 0.0], [0.3, 0.8]]))
+    points = jnp.array([[0.1, 0.2], [-0.5, 1.0]])
+    assert_trees(ad.gradient(log_prob, Active(mvn), Constant(points)), jax.grad(log_prob)(mvn, points))
+    assert_trees(ad.hvp(log_prob, Active(mvn), Constant(points), tangent=mvn),
+                 jax.jvp(lambda m: jax.grad(log_prob)(m, points), (mvn,), (mvn,))[1])
+
+    def flow(params, x):
+        bijector = distrax.Chain([distrax.ScalarAffine(params["shift"], params["scale"]), distrax.Tanh()])
+        return log_prob(distrax.Transformed(distrax.Normal(jnp.zeros(3), jnp.ones(3)), bijector), x)
+
+    params, inside = {"shift": jnp.array(0.1), "scale": jnp.array(1.3)}, jnp.array([0.2, -0.3, 0.5])
+    assert_trees(ad.gradient(flow, Active(params), Constant(inside)), jax.grad(flow)(params, inside))
+
+    score = lambda x, d: jnp.sum(d.log_prob(x))  # noqa: E731
+    prepared = ad.prepare(ad.gradient, score, Active(x), Constant(distrax.Normal(jnp.array(0.5), jnp.array(1.5))))
+    other = distrax.Normal(jnp.array(1.0), jnp.array(2.0))  # new parameters: new data, not the prepared ones
+    np.testing.assert_allclose(prepared(x, other), jax.grad(score)(x, other), rtol=1e-6)
+
+
+def test_a_flowjax_flow_and_a_blackjax_hmc_step():
+    import blackjax
+    import equinox as eqx
+    import paramax
+    from flowjax.distributions import Normal
+    from flowjax.flows import masked_autoregressive_flow
+
+    flow = masked_autoregressive_flow(jax.random.key(0), base_dist=Normal(jnp.zeros(2)), nn_width=8, nn_depth=1, flow_layers=2)
+    nll = lambda flow, x: -jnp.mean(paramax.unwrap(flow).log_prob(x))  # noqa: E731
+    x = jax.random.normal(jax.random.key(1), (5, 2))
+    prepared = ad.prepare(ad.value_and_gradient, nll, Active(flow), Constant(x))
+    value, grads = prepared(flow, 2 * x)
+    expected_value, expected = eqx.filter_jit(eqx.filter_value_and_grad(nll))(flow, 2 * x)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-6)
+    assert_trees(grads, expected)
+
+    hmc = blackjax.hmc(lambda q: -0.5 * jnp.sum(q**2 * jnp.array([1.0, 4.0])), step_size=0.1,
+                       inverse_mass_matrix=jnp.ones(2), num_integration_steps=3)
+    q, key = jnp.array([0.5, -0.3]), jax.random.key(0)
+    state = hmc.init(q)  # a NamedTuple state as Active
+    moved = lambda s, key: jnp.sum(hmc.step(key, s)[0].position ** 2)  # noqa: E731
+    assert_trees(ad.gradient(moved, Active(state), Constant(key)), jax.grad(moved)(state, key))
+
+
+def test_sparse_matrices_checkify_and_pure_callback_inside_f():
+    from jax.experimental import checkify, sparse
+
+    x = jnp.array([0.5, -1.0, 2.0])
+    squared = lambda x, m: jnp.sum((m @ x) ** 2)  # noqa: E731
+    first = sparse.BCOO.fromdense(jnp.array([[1.0, 0, 2.0], [0, 3.0, 0]]))
+    second = sparse.BCOO.fromdense(jnp.array([[0.0, 1.0, 2.0], [4.0, 0, 0]]))  # the same number of entries
+    prepared = ad.prepare(ad.gradient, squared, Active(x), Constant(first))
+    for m in (first, second):
+        np.testing.assert_allclose(prepared(x, m), jax.grad(squared)(x, m))
+    grads = ad.gradient(lambda m, x: squared(x, m), Active(first), Constant(x))  # its int indices get None
+    assert grads.indices is None
+    np.testing.assert_allclose(grads.data, jax.grad(lambda m, x: squared(x, m), allow_int=True)(first, x).data)
+
+    def checked(x):
+        checkify.check(jnp.all(x > -5), "x too small")
+        return jnp.sum(jnp.sin(x) * x)
+
+    def with_error(x):
+        error, out = checkify.checkify(checked)(x)
+        return out, error
+
+    grads, error = ad.prepare(ad.gradient, with_error, Active(x), has_aux=True)(2 * x)
+    np.testing.assert_allclose(grads, jax.grad(checked)(2 * x), rtol=1e-6)
+    assert error.get() is None
+
+    @jax.custom_jvp
+    def host_sin(x):
+        return jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential")
+
+    host_sin.defjvp(lambda primals, tangents: (host_sin(primals[0]), jnp.cos(primals[0]) * tangents[0]))
+    f = lambda x: host_sin(x) * x  # noqa: E731
+    np.testing.assert_allclose(ad.jacobian(f, Active(x)), jax.jacrev(f)(x), rtol=1e-6)
+    np.testing.assert_allclose(ad.gradient(lambda x: jnp.sum(f(x)), Active(x), backend=ad.AutoFiniteDifferences()),
+                               jax.grad(lambda x: jnp.sum(f(x)))(x), rtol=1e-4)
