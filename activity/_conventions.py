@@ -186,7 +186,10 @@ class PenzaiVariables:
         unbound, found = variables.unbind_variables(value)  # a label two variables share is Penzai's error
         params = tuple(var.freeze() for var in found if isinstance(var, variables.Parameter))
         others = tuple(var.freeze() for var in found if not isinstance(var, variables.Parameter))
-        return None, _floats_as_arrays(params), (unbound, others)
+        # The static part, what a prepared call is checked against first: each variable's kind,
+        # label and layout, so that a model of other sizes is told by the variable that changed.
+        layout = tuple((type(var).__name__.removesuffix("Value"), var.label, _layout(var.value)) for var in (*params, *others))
+        return layout, _floats_as_arrays(params), (unbound, others)
 
     def merge(self, static: Any, params: Any, rest: Any) -> Any:
         unbound, others = rest
@@ -213,6 +216,36 @@ class PenzaiVariables:
 
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Penzai variables"
+
+    def difference(self, static: Any, value: Any) -> str | None:
+        """The first variable whose kind, label or layout differs from the prepared ones."""
+        now = self.split(value)[0]
+        for (kind, label, layout), (then_kind, then_label, then_layout) in zip(now, static):
+            if (kind, label) != (then_kind, then_label):
+                return f"it holds the {kind} {label!r} where the prepared one held the {then_kind} {then_label!r}"
+            if layout != then_layout:
+                now_text, then_text = _describe_layout(layout), _describe_layout(then_layout)
+                if now_text == then_text:  # the same arrays in another structure
+                    now_text, then_text = str(layout[0]), str(then_layout[0])
+                return f"its {kind} {label!r} holds {now_text}, prepared with {then_text}"
+        if len(now) != len(static):
+            return f"it holds {len(now)} variables, the prepared one {len(static)}"
+        return None
+
+
+def _layout(value: Any) -> tuple[Any, ...]:
+    """A variable value's structure, its arrays' shapes and dtypes, and its named axes (a Penzai
+    NamedArray's): hashable and comparable."""
+    leaves, structure = flatten(value)
+    shapes = tuple((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
+    named = getattr(value, "named_shape", None)
+    return structure, shapes, tuple(dict(named).items()) if isinstance(named, Mapping) else None
+
+
+def _describe_layout(layout: tuple[Any, ...]) -> str:
+    structure, shapes, named = layout
+    arrays = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in shapes) or "no array"
+    return arrays + (f" (named axes {', '.join(f'{name}={size}' for name, size in named)})" if named else "")
 
 
 _NNX = NNXModule()

@@ -87,6 +87,10 @@ def test_a_prepared_penzai_model_sees_its_parameters_updated_in_place_and_new_da
     reference = lambda params, x: _penzai_loss(pz.bind_variables(unbound, params), x)  # noqa: E731
     np.testing.assert_allclose(value, reference(frozen, _named(7)), rtol=2e-5)
     assert_trees(grads, jax.grad(reference)(frozen, _named(7)))
+    # a model of other sizes is told by the Parameter that changed (it named split-tree paths)
+    wider = pz.nn.Linear.from_config(name="l1", init_base_rng=jax.random.key(0), input_axes={"features": 3}, output_axes={"out": 5})
+    with pytest.raises(ad.PreparationMismatchError, match=r"its Parameter 'l1.weights' holds float32\[3, 5\] \(named axes features=3, out=5\), prepared with float32\[3, 4\]"):
+        trained(pz.nn.Sequential([wider, *model.sublayers[1:]]), _named(7))
 
 
 def test_a_penzai_state_variable_f_writes_is_never_the_users_and_a_shared_parameter_is_one_entry():
