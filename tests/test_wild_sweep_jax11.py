@@ -181,11 +181,25 @@ for backend in (ad.AutoJAX(), ad.AutoFiniteDifferences()):
     np.testing.assert_allclose(grad, 3 * on_one ** 2, rtol=1e-5)
     jac = ad.jacobian(lambda w: w ** 2, Active(on_one), backend=backend)
     assert jac.devices() == {jax.devices()[1]}, (backend, jac.devices())
+
+# an explicit mesh (jax.make_mesh's default axis type, under jax.set_mesh): JAX wants cotangents
+# sharded as f's outputs, and activity's basis and the user's cotangents were not
+explicit = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+with jax.set_mesh(explicit):
+    w = jax.device_put(jnp.arange(8.0).reshape(4, 2) / 8, NamedSharding(explicit, P("data", None)))
+    tall = lambda w, c: jnp.tanh(w) * c
+    c = jnp.array(2.0)
+    np.testing.assert_allclose(ad.jacobian(tall, Active(w), Constant(c)), jax.jacobian(tall)(w, c), rtol=1e-6)
+    prepared = ad.prepare(ad.jacobian, tall, Active(w), Constant(c))
+    np.testing.assert_allclose(prepared(w, 3 * c), jax.jacobian(tall)(w, 3 * c), rtol=1e-6)
+    cotangent = jnp.arange(8.0).reshape(4, 2)  # not sharded: taken as jax.vjp would take it sharded
+    expected = jax.vjp(lambda w: tall(w, c), w)[1](jax.sharding.reshard(cotangent, P("data", None)))[0]
+    np.testing.assert_allclose(ad.pullback(tall, Active(w), Constant(c), cotangent=cotangent), expected, rtol=1e-6)
 print("ok")
 '''
 
 
-def test_sharded_and_placed_arrays_keep_their_device_on_every_backend():
+def test_sharded_and_placed_arrays_keep_their_device_and_an_explicit_mesh_takes_reverse_mode():
     # The finite-difference reference took its differences in numpy and returned JAX arrays on
     # the default device, whatever device the Active arrays were committed to.
     import os

@@ -95,11 +95,25 @@ class AutoJAX(Backend):
             _explain_reverse_loop(error, F)
             raise
 
+        def pull_as_given(cts: Flat, batched: bool) -> Flat:
+            if batched:
+                return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
+            return pull_one(cts)[0]  # type: ignore[no-any-return]
+
         def pull(cts: Flat, batched: bool) -> Flat:
             try:
-                if batched:
-                    return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
-                return pull_one(cts)[0]  # type: ignore[no-any-return]
+                try:
+                    return pull_as_given(cts, batched)
+                except ValueError as error:
+                    if _CT_TYPE not in str(error):
+                        raise
+                    # f's outputs are sharded over an explicit mesh (jax.set_mesh), which JAX wants
+                    # the cotangents to carry: activity's basis and the user's cotangents are laid
+                    # out as the outputs, as jax.jacrev lays out its basis.
+                    resharded = _sharded_like(cts, ys, batched)
+                    if resharded is None:
+                        raise
+                    return pull_as_given(resharded, batched)
             except ValueError as error:
                 _explain_reverse_loop(error, F)
                 raise
@@ -283,6 +297,25 @@ def _jit_with_statics(
 
     call.jitted = jitted  # type: ignore[attr-defined]  # for inspection, as `compile`'s
     return CompiledCall(call, _MISSES, refuses_annotations=True)
+
+
+_CT_TYPE = "unexpected JAX type (e.g. shape/dtype) for argument to VJP function"
+
+
+def _sharded_like(cts: Flat, ys: Flat, batched: bool) -> Flat | None:
+    """``cts`` resharded as the outputs ``ys`` are (a batch axis first, unsharded), or None
+    where this JAX cannot (no ``jax.sharding.reshard``)."""
+    jax = _jax()
+    reshard, typeof = getattr(jax.sharding, "reshard", None), getattr(jax, "typeof", None)
+    if reshard is None or typeof is None:
+        return None
+    PartitionSpec = jax.sharding.PartitionSpec
+
+    def like(ct: Any, y: Any) -> Any:
+        spec = typeof(y).sharding.spec
+        return reshard(ct, PartitionSpec(None, *spec) if batched else spec)
+
+    return tuple(map(like, cts, ys))
 
 
 def _same_signature(plan: Any) -> Callable[[tuple[Any, ...], dict[Any, Any]], bool]:
