@@ -23,7 +23,8 @@
   trainer differentiate. The result is the tuple of ``pz.ParameterValue`` of
   gradients, one per Parameter in ``pz.unbind_params`` order (what the optax
   state built from ``pz.freeze_params`` takes); a Parameter used at two places
-  is one entry. ``pz.StateVariable`` values are data. ``f`` gets a model bound
+  is one entry. ``pz.StateVariable`` values, and arrays outside variables, are data
+  (an Active container of models and loose arrays is refused). ``f`` gets a model bound
   to fresh variables on every call, so what ``f`` writes into a variable never
   reaches the user's (Penzai variables are mutable Python objects, not pytrees).
 - A torch module: its parameters with ``requires_grad=True``; the torch backend's
@@ -216,6 +217,20 @@ class PenzaiVariables:
 
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Penzai variables"
+
+    def loose_arrays(self, value: Any) -> list[str]:
+        """The paths of floating arrays outside any variable in ``value``, where ``value`` is a
+        container of Penzai models rather than a model: as an Active argument they would be data
+        here, where the pytree rule differentiates them. Inside a model (a Penzai ``Struct``)
+        such arrays are constants, as Penzai's own trainer has them: only Parameters are trained."""
+        if isinstance(value, sys.modules["penzai.core.struct"].Struct):
+            return []
+        unbound = self.split(value)[2][0]
+        return [
+            path
+            for path, leaf in zip(leaf_paths(unbound), flatten(unbound)[0])
+            if hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.dtype(leaf.dtype).kind == "f"
+        ]
 
     def difference(self, static: Any, value: Any) -> str | None:
         """The first variable whose kind, label or layout differs from the prepared ones."""

@@ -426,6 +426,15 @@ class Problem:
             trainable = len(leaves)
         else:
             static, params, rest = adapter.split(value)
+            loose = adapter.loose_arrays(value) if kind == "active" and isinstance(adapter, PenzaiVariables) else []
+            if loose:
+                raise TypeError(
+                    f"activity.{self.op_name}: {self.label(position)} (Active) holds Penzai variables, which are "
+                    f"differentiated in their pz.Parameters (the result is the tuple of pz.ParameterValue), and "
+                    f"floating arrays outside them at {', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''}, "
+                    f"which that result has no place for. Pass those arrays as an Active argument of their own "
+                    f"(or as Constant data), and the models alone in this one."
+                )
             trainable_leaves, trainable_spec = flatten(params)
             trainable = len(trainable_leaves)
             self.adapted[position] = (adapter, static, trainable, trainable_spec)

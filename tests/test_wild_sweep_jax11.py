@@ -65,6 +65,11 @@ def test_a_penzai_model_is_differentiated_in_its_parameters_as_penzais_own_recip
     head = ad.gradient(_penzai_loss, Active(model, where=lambda path, leaf: path == "b1.bias"), Constant(x))
     assert head[0].value.data_array is None
     np.testing.assert_allclose(head[1].value.data_array, expected[1].value.data_array, rtol=2e-5, atol=2e-6)
+    # a container of a model and a loose array: the array has no place in that result (it was
+    # differentiated alone, the model's Parameters silently not at all)
+    scaled = lambda p, x: p["scale"] * _penzai_loss(p["model"], x)  # noqa: E731
+    with pytest.raises(TypeError, match=r"floating arrays outside them at \['scale'\]"):
+        ad.gradient(scaled, Active({"model": model, "scale": jnp.array(2.0)}), Constant(x))
 
 
 def test_a_prepared_penzai_model_sees_its_parameters_updated_in_place_and_new_data():
