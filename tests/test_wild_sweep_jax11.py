@@ -175,7 +175,9 @@ x = jax.device_put(jnp.ones((6, 4)), NamedSharding(mesh, P(None, "data")))
 prepared = ad.prepare(ad.gradient, f, Active(w), Constant(x))
 for data in (x, 2 * x):
     np.testing.assert_allclose(prepared(w, data), jax.grad(f)(w, data), rtol=1e-5)
-np.testing.assert_allclose(ad.gradient(f, Active(w), Constant(x), backend=ad.AutoFiniteDifferences()), jax.grad(f)(w, x), rtol=1e-4)
+reference = ad.gradient(f, Active(w), Constant(x), backend=ad.AutoFiniteDifferences())
+np.testing.assert_allclose(reference, jax.grad(f)(w, x), rtol=1e-4)
+assert reference.sharding.mesh == mesh and reference.devices() == w.devices()  # on the mesh, replicated
 
 # results come back on the device of the inputs, from every backend
 on_one = jax.device_put(jnp.array([0.5, -1.0, 2.0]), jax.devices()[1])

@@ -492,13 +492,21 @@ _PLACEMENT: contextvars.ContextVar[Any] = contextvars.ContextVar("_PLACEMENT", d
 
 
 def _one_device(xs: Flat) -> Any:
-    """The one device every Active JAX array is committed to (``jax.device_put(x, device)``),
-    or None: uncommitted arrays, other frameworks, or arrays spread over several devices."""
+    """Where the results go: the one device every Active JAX array is committed to
+    (``jax.device_put(x, device)``), or, for arrays sharded alike over a mesh, that mesh,
+    replicated (results have shapes of their own, which the inputs' layout may not fit);
+    None (JAX's default device) for uncommitted arrays, other frameworks, or mixed placements."""
     placed = {x.sharding for x in xs if arrays.is_jax(x) and getattr(x, "committed", False)}
     if len(placed) != 1:
         return None
-    devices = next(iter(placed)).device_set
-    return next(iter(devices)) if len(devices) == 1 else None
+    sharding = next(iter(placed))
+    if len(sharding.device_set) == 1:
+        return next(iter(sharding.device_set))
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        return None
+    jax = sys.modules["jax"]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 _CALLER = threading.local()  # the caller's own jax_enable_x64, while the reference runs in float64
