@@ -289,8 +289,6 @@ def test_distrax_distributions_and_bijectors_as_active_and_as_prepared_constants
     mvn = distrax.MultivariateNormalTri(jnp.zeros(2), jnp.array([[1.0, 0.0], [0.3, 0.8]]))
     points = jnp.array([[0.1, 0.2], [-0.5, 1.0]])
     assert_trees(ad.gradient(log_prob, Active(mvn), Constant(points)), jax.grad(log_prob)(mvn, points))
-    assert_trees(ad.hvp(log_prob, Active(mvn), Constant(points), tangent=mvn),
-                 jax.jvp(lambda m: jax.grad(log_prob)(m, points), (mvn,), (mvn,))[1])
 
     def flow(params, x):
         bijector = distrax.Chain([distrax.ScalarAffine(params["shift"], params["scale"]), distrax.Tanh()])
@@ -312,7 +310,7 @@ def test_a_flowjax_flow_and_a_blackjax_hmc_step():
     from flowjax.distributions import Normal
     from flowjax.flows import masked_autoregressive_flow
 
-    flow = masked_autoregressive_flow(jax.random.key(0), base_dist=Normal(jnp.zeros(2)), nn_width=8, nn_depth=1, flow_layers=2)
+    flow = masked_autoregressive_flow(jax.random.key(0), base_dist=Normal(jnp.zeros(2)), nn_width=4, nn_depth=1, flow_layers=1)
     nll = lambda flow, x: -jnp.mean(paramax.unwrap(flow).log_prob(x))  # noqa: E731
     x = jax.random.normal(jax.random.key(1), (5, 2))
     prepared = ad.prepare(ad.value_and_gradient, nll, Active(flow), Constant(x))
@@ -322,7 +320,7 @@ def test_a_flowjax_flow_and_a_blackjax_hmc_step():
     assert_trees(grads, expected)
 
     hmc = blackjax.hmc(lambda q: -0.5 * jnp.sum(q**2 * jnp.array([1.0, 4.0])), step_size=0.1,
-                       inverse_mass_matrix=jnp.ones(2), num_integration_steps=3)
+                       inverse_mass_matrix=jnp.ones(2), num_integration_steps=2)
     q, key = jnp.array([0.5, -0.3]), jax.random.key(0)
     state = hmc.init(q)  # a NamedTuple state as Active
     moved = lambda s, key: jnp.sum(hmc.step(key, s)[0].position ** 2)  # noqa: E731
