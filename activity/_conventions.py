@@ -17,6 +17,16 @@
   differentiated in its ``nnx.Param`` variables and comes back as an ``nnx.State``
   in its place, the other leaves follow the pytree rule, and a variable shared by
   two of the modules is one parameter, listed under its first one.
+- A Penzai model (or any pytree holding Penzai variables): its ``pz.Parameter``
+  variables, as Penzai's own recipe (``pz.unbind_params(model, freeze=True)``,
+  ``jax.grad`` of the frozen values, ``pz.bind_variables`` inside) and its
+  trainer differentiate. The result is the tuple of ``pz.ParameterValue`` of
+  gradients, one per Parameter in ``pz.unbind_params`` order (what the optax
+  state built from ``pz.freeze_params`` takes); a Parameter used at two places
+  is one entry. ``pz.StateVariable`` values, and arrays outside variables, are data
+  (an Active container of models and loose arrays is refused). ``f`` gets a model bound
+  to fresh variables on every call, so what ``f`` writes into a variable never
+  reaches the user's (Penzai variables are mutable Python objects, not pytrees).
 - A torch module: its parameters with ``requires_grad=True``; the torch backend's
   module descriptions (`backends._torch_modules`) implement it.
 - A Keras 3 model or layer on the JAX backend: its trainable variables, as Keras's own
@@ -36,7 +46,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ._tree import flatten, unflatten
+from ._tree import flatten, leaf_paths, unflatten
 
 
 def is_python_number(leaf: Any) -> bool:
@@ -242,23 +252,123 @@ def _keras_on_jax(value: Any) -> bool:
     return layer is not None and isinstance(value, layer.Layer) and sys.modules["keras"].backend.backend() == "jax"
 
 
+@attrs.frozen(eq=False)
+class PenzaiVariables:
+    """Penzai: a pytree holding ``pz.Parameter`` and ``pz.StateVariable`` objects (a ``pz.nn``
+    model). Variables are mutable Python objects, leaves to JAX, so a plain pytree split
+    would take a model for one without arrays (and compile its parameters in as static
+    values). Split as Penzai's own recipe does: ``pz.unbind_variables`` leaves the model with
+    slots (its other arrays stay leaves of it), the Parameters' frozen values are the
+    differentiated part, the other variables' frozen values are data; f gets the model bound
+    to fresh copies of the variables."""
+
+    library = "penzai"
+
+    def split(self, value: Any) -> tuple[Any, Any, Any]:
+        variables = sys.modules["penzai.core.variables"]
+        unbound, found = variables.unbind_variables(value)  # a label two variables share is Penzai's error
+        params = tuple(var.freeze() for var in found if isinstance(var, variables.Parameter))
+        others = tuple(var.freeze() for var in found if not isinstance(var, variables.Parameter))
+        # The static part, what a prepared call is checked against first: each variable's kind,
+        # label and layout, so that a model of other sizes is told by the variable that changed.
+        layout = tuple((type(var).__name__.removesuffix("Value"), var.label, _layout(var.value)) for var in (*params, *others))
+        return layout, _floats_as_arrays(params), (unbound, others)
+
+    def merge(self, static: Any, params: Any, rest: Any) -> Any:
+        unbound, others = rest
+        fresh = [value.unfreeze_as_copy() for value in (*params, *others)]
+        return sys.modules["penzai.core.variables"].bind_variables(unbound, fresh)
+
+    def result(self, static: Any, params: Any) -> Any:
+        return params  # a tuple of pz.ParameterValue, as jax.grad of pz.unbind_params(model, freeze=True)[1]
+
+    def mask(self, static: Any, where: Any) -> Any:
+        """A ``where=`` pytree of bools: one per Parameter, in ``pz.unbind_params`` order."""
+        return where
+
+    def mask_paths(self, params: Any) -> list[str]:
+        """The paths a ``where`` callable is given: each Parameter's label (``"mlp/Linear_0.weights"``),
+        followed by the path inside its value where that is a pytree of several arrays."""
+        paths = []
+        for param in params:
+            inner = leaf_paths(param.value)
+            if len(inner) == 1:
+                inner = [""]  # one array (a NamedArray's data too): the label names it
+            paths += [f"{param.label}{path}" for path in inner]
+        return paths
+
+    def describe(self, value: Any) -> str:
+        return f"a {type(value).__name__} holding Penzai variables"
+
+    def loose_arrays(self, value: Any) -> list[str]:
+        """The paths of floating arrays outside any variable in ``value``, where ``value`` is a
+        container of Penzai models rather than a model: as an Active argument they would be data
+        here, where the pytree rule differentiates them. Inside a model (a Penzai ``Struct``)
+        such arrays are constants, as Penzai's own trainer has them: only Parameters are trained."""
+        if isinstance(value, sys.modules["penzai.core.struct"].Struct):
+            return []
+        unbound = self.split(value)[2][0]
+        return [
+            path
+            for path, leaf in zip(leaf_paths(unbound), flatten(unbound)[0])
+            if hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.dtype(leaf.dtype).kind == "f"
+        ]
+
+    def difference(self, static: Any, value: Any) -> str | None:
+        """The first variable whose kind, label or layout differs from the prepared ones."""
+        now = self.split(value)[0]
+        for (kind, label, layout), (then_kind, then_label, then_layout) in zip(now, static):
+            if (kind, label) != (then_kind, then_label):
+                return f"it holds the {kind} {label!r} where the prepared one held the {then_kind} {then_label!r}"
+            if layout != then_layout:
+                now_text, then_text = _describe_layout(layout), _describe_layout(then_layout)
+                if now_text == then_text:  # the same arrays in another structure
+                    now_text, then_text = str(layout[0]), str(then_layout[0])
+                return f"its {kind} {label!r} holds {now_text}, prepared with {then_text}"
+        if len(now) != len(static):
+            return f"it holds {len(now)} variables, the prepared one {len(static)}"
+        return None
+
+
+def _layout(value: Any) -> tuple[Any, ...]:
+    """A variable value's structure, its arrays' shapes and dtypes, and its named axes (a Penzai
+    NamedArray's): hashable and comparable."""
+    leaves, structure = flatten(value)
+    shapes = tuple((tuple(getattr(leaf, "shape", ())), str(getattr(leaf, "dtype", type(leaf).__name__))) for leaf in leaves)
+    named = getattr(value, "named_shape", None)
+    return structure, shapes, tuple(dict(named).items()) if isinstance(named, Mapping) else None
+
+
+def _describe_layout(layout: tuple[Any, ...]) -> str:
+    structure, shapes, named = layout
+    arrays = ", ".join(f"{dtype}{list(shape)}" for shape, dtype in shapes) or "no array"
+    return arrays + (f" (named axes {', '.join(f'{name}={size}' for name, size in named)})" if named else "")
+
+
 _NNX = NNXModule()
 _NNX_IN_PYTREE = NNXModulesInPytree()
 _KERAS = KerasModel()
+_PENZAI = PenzaiVariables()
 
 
-def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | None:
+def _is_penzai_variable(leaf: Any) -> bool:
+    return isinstance(leaf, sys.modules["penzai.core.variables"].AbstractVariable)
+
+
+def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | PenzaiVariables | None:
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
     if _keras_on_jax(value):
         return _KERAS
-    nnx = sys.modules.get("flax.nnx")  # a module of a library not imported cannot be this one
-    if nnx is None:
-        return None
-    if isinstance(value, nnx.Module):
-        return _NNX
-    if any(_is_nnx_module(leaf) for leaf in flatten(value, is_leaf=_is_nnx_module)[0]):
-        return _NNX_IN_PYTREE
+    # a model of a library not imported cannot be this one
+    nnx, penzai = sys.modules.get("flax.nnx"), sys.modules.get("penzai.core.variables")
+    if nnx is not None:
+        if isinstance(value, nnx.Module):
+            return _NNX
+        if any(_is_nnx_module(leaf) for leaf in flatten(value, is_leaf=_is_nnx_module)[0]):
+            return _NNX_IN_PYTREE
+    if penzai is not None and any(map(_is_penzai_variable, flatten(value)[0])):
+        return _PENZAI
     return None
 
 
-__all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "NNXModule", "NNXModulesInPytree"]
+__all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "NNXModule", "NNXModulesInPytree", "PenzaiVariables"]

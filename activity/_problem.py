@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
-from ._conventions import Bound, adapter_for, is_python_number
+from ._conventions import Bound, PenzaiVariables, adapter_for, is_python_number
 from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
 from ._tree import LEAF, flatten, leaf_paths, same_static_value, structure_difference, unflatten
 
@@ -404,7 +404,12 @@ class Problem:
             or _complex_parameter(leaf, index, trainable, in_tree)  # asked too: selected, it is refused
             for index, leaf in enumerate(leaves)
         ]
-        paths = _mask_paths(tree, adapter) if in_tree else [""]
+        if not in_tree:
+            paths = [""]
+        elif isinstance(adapter, PenzaiVariables):  # each Parameter named by its label
+            paths = adapter.mask_paths(tree) + [""] * (len(leaves) - trainable)  # the rest is never a candidate
+        else:
+            paths = _mask_paths(tree, adapter)
         if predicate:
             marks: list[Any] = [None] * len(leaves)
         else:
@@ -447,6 +452,15 @@ class Problem:
             trainable = len(leaves)
         else:
             static, params, rest = adapter.split(value)
+            loose = adapter.loose_arrays(value) if kind == "active" and isinstance(adapter, PenzaiVariables) else []
+            if loose:
+                raise TypeError(
+                    f"activity.{self.op_name}: {self.label(position)} (Active) holds Penzai variables, which are "
+                    f"differentiated in their pz.Parameters (the result is the tuple of pz.ParameterValue), and "
+                    f"floating arrays outside them at {', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''}, "
+                    f"which that result has no place for. Pass those arrays as an Active argument of their own "
+                    f"(or as Constant data), and the models alone in this one."
+                )
             trainable_leaves, trainable_spec = flatten(params)
             trainable = len(trainable_leaves)
             self.adapted[position] = (adapter, static, trainable, trainable_spec)

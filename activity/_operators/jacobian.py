@@ -21,7 +21,25 @@ def _build(
         in_shapes = [arrays.shape(x) for x in xs]
         in_sizes = [arrays.size(x) for x in xs]
         replay = backend.random_state()
-        ys, aux, pull = backend.vjp(F, xs)
+        try:
+            ys, aux, pull = backend.vjp(F, xs)
+        except Exception as error:
+            # An operation with a forward-mode rule only (a Pallas kernel, a custom_vmap function)
+            # makes JAX refuse to linearise f, before its output sizes are known. Forward mode
+            # is the mode an f with more outputs than inputs takes: only then, it answers.
+            if not backend.forward_only(error):
+                raise
+            backend.restore_random_state(replay)
+            try:
+                ys, aux, columns = backend.jvp(F, xs, input_basis(xs, backend), True)
+            except Exception:
+                raise error from None
+            out_sizes = [arrays.size(y) for y in ys]
+            if not sum(out_sizes) > sum(in_sizes) > 0:
+                raise error from None
+            matrix = [blocks(c, in_sizes, in_shapes, arrays.shape(y), inner_first=True) for c, y in zip(columns, ys)]
+            jac = traced.output([problem.like_active(row) for row in matrix])
+            return with_value(value, traced.output(ys), has_aux, traced.aux(aux) if has_aux else None, jac)
         out_shapes = [arrays.shape(y) for y in ys]
         out_sizes = [arrays.size(y) for y in ys]
         if sum(out_sizes) == 0 or sum(in_sizes) == 0:  # nothing to differentiate: empty blocks

@@ -111,6 +111,11 @@ class Backend:
         message (None: nothing); ``active`` names the Active arguments, e.g. "argument 0"."""
         return None
 
+    def forward_only(self, error: Exception) -> bool:
+        """Whether ``error``, raised where ``f`` was linearised for reverse mode, says that ``f``
+        holds an operation with a forward-mode rule only (so forward mode may still answer)."""
+        return False
+
     def random_state(self) -> Any:
         """The global random state ``f`` may draw from (None if the backend has none to keep)."""
         return None

@@ -215,10 +215,27 @@ class AutoFiniteDifferences(Backend):
                 "module: it steps real values only (complex differentiation is not supported). Freeze it "
                 "(requires_grad_(False)), or hold it as two real parameters, its real and imaginary parts."
             )
+        _PLACEMENT.set(_one_device(xs))
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
 
+    def explain_error(self, error: Exception, active: str) -> str | None:
+        # f sees float64 arrays here, where the caller's own call passes float32: a dtype check in
+        # f (jaxtyping's Float32[...]) or an array f makes in float32 and mixes in may refuse them.
+        if not any(word in str(error) for word in _FLOAT64_WORDS):
+            return None
+        return (
+            "AutoFiniteDifferences evaluates f in float64 (its floating Active, Constant and Cache arrays are "
+            "converted, so that the differences are accurate), and f refused a float64 value: a dtype check in f "
+            "(jaxtyping's Float32[...], an assert on x.dtype) or an array f makes in float32 and mixes in (torch's "
+            "'double != float'). Let f follow its inputs' dtype (jaxtyping's Float[...], "
+            "torch.ones(3, dtype=x.dtype)), or pass such arrays as Constant arguments; activity.testing.check "
+            "also takes reference=<an AD backend>."
+        )
+
     def finalize(self, result: Any, problem: Any) -> Any:
-        """Results in the inputs' framework, and in their dtype where all Active leaves share one."""
+        """Results in the inputs' framework, and in their dtype where all Active leaves share one;
+        JAX results on the one device the Active JAX arrays are committed to (the differences
+        are taken in numpy, whose arrays JAX would put on its default device)."""
         from .._problem import combine, partition
 
         dtypes = {str(d) for d in problem.diff_dtypes}
@@ -229,7 +246,10 @@ class AutoFiniteDifferences(Backend):
         dynamic, static = partition(result)
         if to_jax:
             jnp = sys.modules["jax"].numpy
-            dynamic = [jnp.asarray(leaf) if isinstance(leaf, (np.ndarray, np.generic)) else leaf for leaf in dynamic]
+            device = _PLACEMENT.get()
+            dynamic = [
+                jnp.asarray(leaf, device=device) if isinstance(leaf, (np.ndarray, np.generic)) else leaf for leaf in dynamic
+            ]
         if target is not None:
             dynamic = [_cast(leaf, target) for leaf in dynamic]
         return combine(dynamic, static)
@@ -462,6 +482,31 @@ class _Compiled:
 
 
 _COMPILED: "weakref.WeakKeyDictionary[Any, dict[Any, Any]]" = weakref.WeakKeyDictionary()
+
+
+# How a dtype check or a mixed-dtype operation names the float64 that f got (JAX, torch, numpy)
+_FLOAT64_WORDS = ("float64", "f64[", "Double", "double")
+
+# The device the Active JAX arrays of the current call are committed to (None: JAX's default).
+_PLACEMENT: contextvars.ContextVar[Any] = contextvars.ContextVar("_PLACEMENT", default=None)
+
+
+def _one_device(xs: Flat) -> Any:
+    """Where the results go: the one device every Active JAX array is committed to
+    (``jax.device_put(x, device)``), or, for arrays sharded alike over a mesh, that mesh,
+    replicated (results have shapes of their own, which the inputs' layout may not fit);
+    None (JAX's default device) for uncommitted arrays, other frameworks, or mixed placements."""
+    placed = {x.sharding for x in xs if arrays.is_jax(x) and getattr(x, "committed", False)}
+    if len(placed) != 1:
+        return None
+    sharding = next(iter(placed))
+    if len(sharding.device_set) == 1:
+        return next(iter(sharding.device_set))
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None:
+        return None
+    jax = sys.modules["jax"]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 _CALLER = threading.local()  # the caller's own jax_enable_x64, while the reference runs in float64

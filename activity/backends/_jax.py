@@ -96,16 +96,33 @@ class AutoJAX(Backend):
             _explain_reverse_loop(error, F)
             raise
 
+        def pull_as_given(cts: Flat, batched: bool) -> Flat:
+            if batched:
+                return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
+            return pull_one(cts)[0]  # type: ignore[no-any-return]
+
         def pull(cts: Flat, batched: bool) -> Flat:
             try:
-                if batched:
-                    return jax.vmap(lambda ct: pull_one(ct)[0])(cts)  # type: ignore[no-any-return]
-                return pull_one(cts)[0]  # type: ignore[no-any-return]
+                try:
+                    return pull_as_given(cts, batched)
+                except ValueError as error:
+                    if _CT_TYPE not in str(error):
+                        raise
+                    # f's outputs are sharded over an explicit mesh (jax.set_mesh), which JAX wants
+                    # the cotangents to carry: activity's basis and the user's cotangents are laid
+                    # out as the outputs, as jax.jacrev lays out its basis.
+                    resharded = _sharded_like(cts, ys, batched)
+                    if resharded is None:
+                        raise
+                    return pull_as_given(resharded, batched)
             except ValueError as error:
                 _explain_reverse_loop(error, F)
                 raise
 
         return ys, aux, pull
+
+    def forward_only(self, error: Exception) -> bool:
+        return isinstance(error, ValueError) and _NO_TRANSPOSE in str(error)
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
         def scalar(xs_: Flat) -> tuple[Any, tuple[Any, ...]]:
@@ -281,6 +298,25 @@ def _jit_with_statics(
 
     call.jitted = jitted  # type: ignore[attr-defined]  # for inspection, as `compile`'s
     return CompiledCall(call, _MISSES, refuses_annotations=True)
+
+
+_CT_TYPE = "unexpected JAX type (e.g. shape/dtype) for argument to VJP function"
+
+
+def _sharded_like(cts: Flat, ys: Flat, batched: bool) -> Flat | None:
+    """``cts`` resharded as the outputs ``ys`` are (a batch axis first, unsharded), or None
+    where this JAX cannot (no ``jax.sharding.reshard``)."""
+    jax = _jax()
+    reshard, typeof = getattr(jax.sharding, "reshard", None), getattr(jax, "typeof", None)
+    if reshard is None or typeof is None:
+        return None
+    PartitionSpec = jax.sharding.PartitionSpec
+
+    def like(ct: Any, y: Any) -> Any:
+        spec = typeof(y).sharding.spec
+        return reshard(ct, PartitionSpec(None, *spec) if batched else spec)
+
+    return tuple(map(like, cts, ys))
 
 
 def _same_signature(plan: Any) -> Callable[[tuple[Any, ...], dict[Any, Any]], bool]:
@@ -473,6 +509,9 @@ _REVERSE_LOOP = "Reverse-mode differentiation does not work for lax.while_loop"
 _REVERSE_NOTE = "(raised by JAX when activity."
 
 
+_NO_TRANSPOSE = "Linearization failed to produce known values for all output primals"
+
+
 def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
     """Say, on JAX's refusal to differentiate a loop of unknown length in reverse mode, which
     operators work and why a prepared call may refuse what an unprepared one took: JAX raises
@@ -481,7 +520,20 @@ def _explain_reverse_loop(error: ValueError, F: FlatFunction) -> None:
     source = getattr(F, "source", None)  # F is f's gradient, differentiated again (reverse over reverse)
     if source is not None:
         problem = getattr(source, "problem", None)
-    if _REVERSE_LOOP not in str(error) or problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+    if problem is None or any(str(n).startswith(_REVERSE_NOTE) for n in notes):
+        return
+    if _NO_TRANSPOSE in str(error) and source is None:
+        # An operation JAX can linearise but not transpose: a Pallas kernel, a custom_vmap function.
+        add_note(
+            error,
+            f"{_REVERSE_NOTE}{problem.op_name} on {problem.backend!r} differentiated f in reverse mode) An "
+            f"operation in f has a forward-mode rule but none for reverse mode (a pallas_call kernel, a "
+            f"jax.custom_batching.custom_vmap function). Forward mode differentiates it: activity.pushforward, "
+            f"activity.derivative, or activity.jacobian of an f with more outputs than inputs. For reverse mode "
+            f"(gradient, pullback, hvp), give that operation a jax.custom_vjp rule.",
+        )
+        return
+    if _REVERSE_LOOP not in str(error):
         return
     if source is not None:
         # The first reverse pass went through, so the loop is in f's derivative: a jax.custom_vjp
