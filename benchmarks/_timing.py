@@ -3,11 +3,12 @@
 Timing both sides in alternation (rather than all raw runs, then all of ours)
 spreads slow drifts of the machine (frequency scaling, another process waking
 up, the allocator warming) evenly over both, so the ratio stays meaningful on a
-noisy 2-core box. The side that goes first changes every round (raw, ours; then
-ours, raw): whatever the first batch of a round pays (the caches the other side
-left cold, memory the other side freed and this one maps again) is paid by both
-sides equally, and a linear drift cancels over each pair of rounds. Medians over
-rounds discard the occasional stalled round.
+noisy 2-core box. A round is one ABBA block, raw, ours, ours, raw, and a side's
+time in it is the mean of its two batches: each side has one batch that follows
+the other side (the caches it left cold, the memory it freed) and one that
+follows itself, so both pay alike for the switch, every round, and a linear
+drift within the round cancels. Medians over rounds discard the occasional
+stalled round.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def alternate(
     warmup: int = 3,
     clock: Clock = time.perf_counter,
 ) -> Timing:
-    """Time ``calls`` calls of each side, ``rounds`` times, the first side alternating.
+    """Time ``rounds`` ABBA blocks of ``calls`` calls per batch: raw, ours, ours, raw.
 
     ``calls=None`` picks the count from the slower side so that one batch takes
-    about ``round_s``; both sides then run the same number of calls per round.
+    about half of ``round_s`` (a side runs two batches a round); both sides then
+    run the same number of calls per batch.
     The first ``warmup`` calls of each side (compilation, caches, lazy
     initialisation) are not timed.
     """
@@ -88,7 +90,7 @@ def alternate(
         for _ in range(warmup):
             fn()
     if calls is None:
-        calls = min(calls_for(raw, round_s, clock), calls_for(ours, round_s, clock))
+        calls = min(calls_for(raw, round_s / 2, clock), calls_for(ours, round_s / 2, clock))
     raw_rounds, ours_rounds = [], []
     # The cyclic garbage collector paused while the rounds run, as `timeit` does: a collection
     # walks every object of this process, which holds every case's models at once, and lands
@@ -97,13 +99,13 @@ def alternate(
     collecting = gc.isenabled()
     gc.disable()
     try:
-        for round_ in range(rounds):
-            if round_ % 2:
-                ours_rounds.append(seconds_per_call(ours, calls, clock))
-                raw_rounds.append(seconds_per_call(raw, calls, clock))
-            else:
-                raw_rounds.append(seconds_per_call(raw, calls, clock))
-                ours_rounds.append(seconds_per_call(ours, calls, clock))
+        for _ in range(rounds):
+            raw_first = seconds_per_call(raw, calls, clock)
+            ours_first = seconds_per_call(ours, calls, clock)
+            ours_second = seconds_per_call(ours, calls, clock)
+            raw_second = seconds_per_call(raw, calls, clock)
+            raw_rounds.append((raw_first + raw_second) / 2)
+            ours_rounds.append((ours_first + ours_second) / 2)
     finally:
         if collecting:
             gc.enable()

@@ -143,31 +143,32 @@ class FakeClock:
         return fn
 
 
-def test_alternate_reports_medians_and_their_ratio():
+def test_alternate_reports_medians_of_the_blocks_and_their_ratio():
     clock = FakeClock()
-    raw, ours = clock.function(5, 1, 3), clock.function(10, 2, 6)
+    # a round's two batches of a side average: raw (5+1)/2, (3+7)/2, (1+1)/2; ours twice that
+    raw, ours = clock.function(5, 1, 3, 7, 1, 1), clock.function(10, 2, 6, 14, 2, 2)
     timing = alternate(raw, ours, rounds=3, calls=1, warmup=0, clock=clock)
-    assert timing.raw_rounds == (5, 1, 3) and timing.ours_rounds == (10, 2, 6)
+    assert timing.raw_rounds == (3, 5, 1) and timing.ours_rounds == (6, 10, 2)
     assert (timing.raw_s, timing.ours_s, timing.ratio) == (3, 6, 2)
     assert (timing.raw_us, timing.ours_us) == (3e6, 6e6)
 
 
-def test_alternate_alternates_which_side_goes_first_after_warming_both_up():
+def test_alternate_runs_abba_blocks_after_warming_both_up():
     order = []
     clock = FakeClock()
     raw_cost, ours_cost = clock.function(1), clock.function(1)
     raw = lambda: (order.append("raw"), raw_cost())  # noqa: E731
     ours = lambda: (order.append("ours"), ours_cost())  # noqa: E731
-    alternate(raw, ours, rounds=3, calls=2, warmup=1, clock=clock)
-    assert order == ["raw", "ours"] + ["raw", "raw", "ours", "ours", "ours", "ours", "raw", "raw", "raw", "raw", "ours", "ours"]
+    alternate(raw, ours, rounds=2, calls=2, warmup=1, clock=clock)
+    assert order == ["raw", "ours"] + (["raw"] * 2 + ["ours"] * 4 + ["raw"] * 2) * 2
 
 
 def test_alternate_averages_a_round_over_its_calls_and_picks_the_slower_sides_count():
     clock = FakeClock()
     raw, ours = clock.function(2), clock.function(5)
     assert calls_for(raw, 10, clock) == 5
-    timing = alternate(raw, ours, rounds=4, round_s=10, warmup=0, clock=clock)
-    assert timing.calls_per_round == 2  # 2 calls of the slower side fill a 10 s round
+    timing = alternate(raw, ours, rounds=4, round_s=20, warmup=0, clock=clock)
+    assert timing.calls_per_round == 2  # 2 calls of the slower side fill a batch, half a 20 s round
     assert (timing.raw_s, timing.ours_s, timing.ratio) == (2, 5, 2.5)
 
 
