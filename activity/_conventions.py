@@ -89,9 +89,9 @@ class NNXModule:
         plain nested dict (``{"head": True, "body": False}``) is read as that state."""
         return _as_state(where)
 
-    def mask_path(self, path: str) -> str:
-        """A parameter's path as ``where`` gets it: the state's path without the variable's ``.value``."""
-        return path[: -len(".value")] if path.endswith(".value") else path
+    def mask_paths(self, params: Any) -> list[str]:
+        """The paths a ``where`` callable is given: the parameter state's, without the variables' ``.value``."""
+        return [path[: -len(".value")] if path.endswith(".value") else path for path in leaf_paths(params)]
 
     def describe(self, module: Any) -> str:
         return f"a Flax NNX {type(module).__name__}"
@@ -176,7 +176,9 @@ class NNXModulesInPytree:
             parts[index] = _as_state(parts[index])
         return unflatten(spec, parts)
 
-    mask_path = NNXModule.mask_path
+    def mask_paths(self, params: Any) -> list[str]:
+        """As for one NNX module: the parameter states' paths, without the variables' ``.value``."""
+        return _NNX.mask_paths(params)
 
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Flax NNX modules"
@@ -227,9 +229,9 @@ class KerasModel:
     def mask(self, static: Any, where: Any) -> Any:
         return where  # a dict of bools keyed by variable path, as the result is
 
-    def mask_path(self, path: str) -> str:
-        """A variable's own path (``"sequential/dense/kernel"``), as ``where`` gets it."""
-        return path[2:-2] if path.startswith("['") and path.endswith("']") else path
+    def mask_paths(self, params: Any) -> list[str]:
+        """The paths a ``where`` callable is given: each variable's own (``"sequential/dense/kernel"``)."""
+        return [path[2:-2] for path in leaf_paths(params)]  # "['a/b/kernel']": the key, in flatten order
 
     def describe(self, model: Any) -> str:
         return f"a Keras {type(model).__name__}"

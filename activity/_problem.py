@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
-from ._conventions import Bound, PenzaiVariables, adapter_for, is_python_number
+from ._conventions import Bound, adapter_for, is_python_number
 from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
 from ._tree import LEAF, flatten, leaf_paths, same_static_value, structure_difference, unflatten
 
@@ -404,12 +404,10 @@ class Problem:
             or _complex_parameter(leaf, index, trainable, in_tree)  # asked too: selected, it is refused
             for index, leaf in enumerate(leaves)
         ]
-        if not in_tree:
-            paths = [""]
-        elif isinstance(adapter, PenzaiVariables):  # each Parameter named by its label
-            paths = adapter.mask_paths(tree) + [""] * (len(leaves) - trainable)  # the rest is never a candidate
-        else:
-            paths = _mask_paths(tree, adapter)
+        # The paths a `where` callable is given: as messages print them, or as the model library
+        # names its parameters (an NNX state's paths, Keras variables' paths, Penzai labels); only
+        # the parameters' leaves, the first `trainable`, are ever candidates.
+        paths = [""] if not in_tree else leaf_paths(tree) if adapter is None else adapter.mask_paths(tree)
         if predicate:
             marks: list[Any] = [None] * len(leaves)
         else:
@@ -452,7 +450,7 @@ class Problem:
             trainable = len(leaves)
         else:
             static, params, rest = adapter.split(value)
-            loose = adapter.loose_arrays(value) if kind == "active" and isinstance(adapter, PenzaiVariables) else []
+            loose = adapter.loose_arrays(value) if kind == "active" and hasattr(adapter, "loose_arrays") else []
             if loose:
                 raise TypeError(
                     f"activity.{self.op_name}: {self.label(position)} (Active) holds Penzai variables, which are "
@@ -822,15 +820,13 @@ class Problem:
                 from .backends._torch_pyro import apart_from_the_param_store, holds_pyro_modules
 
                 if holds_pyro_modules(described.values()):
-                    replaced = sys.modules["activity.backends._torch_modules"].replaced_parameters(self._view_pairs(values))
-                    run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, replaced, run)
+                    run = apart_from_the_param_store(pyro_runtime._PYRO_PARAM_STORE, self._replaced(values), run)
             if "keras.src.layers.layer" in sys.modules:  # a Keras layer's variables read the views' tensors while f runs
                 from .backends._torch_keras import in_stateless_scope, keras_variables
 
                 variables = keras_variables(described.values())
                 if variables:
-                    replaced = sys.modules["activity.backends._torch_modules"].replaced_parameters(self._view_pairs(values))
-                    run = in_stateless_scope(variables, replaced, run)
+                    run = in_stateless_scope(variables, self._replaced(values), run)
             if not self._watched:  # the first call: also the writes (a warning shows once per place anyway)
                 watch = sys.modules["activity.backends._torch_modules"]
                 self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
@@ -845,9 +841,10 @@ class Problem:
                     sys.modules["activity.backends._torch_modules"].forget_hooks_since(described.values(), first)
         return self._call(f, values)
 
-    def _view_pairs(self, values: Sequence[Any]) -> list[tuple[Any, Any]]:
-        """``(the user's module, the view f gets in its place)`` for each described module."""
-        return [(d.module, flatten(values[position])[0][index]) for (position, index), d in self._described.items()]
+    def _replaced(self, values: Sequence[Any]) -> dict[int, Any]:
+        """``id(user's parameter) -> the view's tensor in its place``, over the described modules."""
+        pairs = [(d.module, flatten(values[position])[0][index]) for (position, index), d in self._described.items()]
+        return sys.modules["activity.backends._torch_modules"].replaced_parameters(pairs)  # type: ignore[no-any-return]
 
     def _call(self, f: Callable[..., Any], values: Sequence[Any]) -> Any:
         try:
@@ -1041,14 +1038,6 @@ def _mask_change(expected: tuple[Any, ...] | None, actual: tuple[Any, ...] | Non
         f"prepared with {count(expected)}, called with {count(actual)}, which selects other leaves. The mask is "
         f"part of the prepared signature: call with raw values (they take the prepared mask) or prepare again."
     )
-
-
-def _mask_paths(tree: Any, adapter: Any) -> list[str]:
-    """The paths a ``where`` callable is given: as messages print them, or as the model library
-    names its parameters (`_conventions`: an NNX state's paths without ``.value``, Keras
-    variables' own paths)."""
-    paths = leaf_paths(tree)
-    return paths if adapter is None else list(map(adapter.mask_path, paths))
 
 
 def _answer(where: Callable[[str, Any], Any], path: str, leaf: Any, label: str) -> bool:
