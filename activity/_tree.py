@@ -617,12 +617,23 @@ def captured_values(function: Any) -> list[Any]:
         return [*function.args, *function.keywords.values()]
     if not isinstance(function, types.FunctionType):
         return []
-    captured = []
+    closure = [value for value in closure_values(function) if not isinstance(value, (types.ModuleType, type))]
+    return closure + global_values(function)
+
+
+def closure_values(function: types.FunctionType) -> list[Any]:
+    """What the closure cells of ``function`` hold (cells not filled yet apart)."""
+    contents = []
     for cell in function.__closure__ or ():
         try:
-            captured.append(cell.cell_contents)
+            contents.append(cell.cell_contents)
         except ValueError:  # a cell not filled yet
             continue
-    names = function.__code__.co_names
-    captured += [function.__globals__[name] for name in names if name in function.__globals__]
-    return [value for value in captured if not isinstance(value, (types.ModuleType, type))]
+    return contents
+
+
+def global_values(function: types.FunctionType) -> list[Any]:
+    """The globals ``function`` names (modules and classes apart)."""
+    namespace = function.__globals__
+    found = (namespace[name] for name in function.__code__.co_names if name in namespace)
+    return [value for value in found if not isinstance(value, (types.ModuleType, type))]

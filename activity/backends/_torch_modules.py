@@ -41,6 +41,7 @@ from typing import Any, Callable
 import attrs
 
 from .._errors import UnsupportedError, caller_stacklevel
+from .._tree import closure_values, global_values
 from ._torch_keras import KERAS_WRAPPERS, check_built, keras_layer_type
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
@@ -374,8 +375,8 @@ def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
         # of the function whose cells hold the view's parts (`_redirect`). A global name cannot be
         # redirected so: the function would run the user's module, or differentiate nothing
         # through a parameter it reads.
-        found = any([_refers_to_tree(cell, tree, where, depth + 1) for cell in _cell_contents(value)])
-        for content in _global_values(value):
+        found = any([_refers_to_tree(cell, tree, where, depth + 1) for cell in closure_values(value)])
+        for content in global_values(value):
             # (a buffer it reads is the user's, unchanged: the same values as the view's copy)
             held = id(content) in tree.trainable or (
                 not isinstance(content, torch.Tensor) and _refers_to_tree(content, tree, where, depth + 1)
@@ -390,24 +391,6 @@ def _refers_to_tree(value: Any, tree: _Tree, where: str, depth: int) -> bool:
                 )
         return found
     return False
-
-
-def _cell_contents(function: types.FunctionType) -> list[Any]:
-    """What the closure cells of ``function`` hold (cells not filled yet apart)."""
-    contents = []
-    for cell in function.__closure__ or ():
-        try:
-            contents.append(cell.cell_contents)
-        except ValueError:  # a cell not filled yet
-            continue
-    return contents
-
-
-def _global_values(function: types.FunctionType) -> list[Any]:
-    """The globals ``function`` names (modules and classes apart)."""
-    namespace = function.__globals__
-    found = (namespace[name] for name in function.__code__.co_names if name in namespace)
-    return [value for value in found if not isinstance(value, (types.ModuleType, type))]
 
 
 def _redirect(value: Any, views: dict[int, Any]) -> Any:
@@ -495,7 +478,7 @@ def _reaches(value: Any, views: dict[int, Any], depth: int) -> bool:
     if isinstance(value, functools.partial):
         return any(_reaches(part, views, depth + 1) for part in _partial_parts(value))
     if isinstance(value, types.FunctionType):
-        return any(_reaches(content, views, depth + 1) for content in _cell_contents(value))
+        return any(_reaches(content, views, depth + 1) for content in closure_values(value))
     return any(_reaches(item, views, depth + 1) for item in _contents(value) or ())
 
 
@@ -643,7 +626,7 @@ def _tensor_ids(value: Any, found: set[int], depth: int) -> None:
         for part in _partial_parts(value):
             _tensor_ids(part, found, depth + 1)
     elif isinstance(value, types.FunctionType):
-        for content in _cell_contents(value):
+        for content in closure_values(value):
             _tensor_ids(content, found, depth + 1)
     else:
         for item in _contents(value) or ():
