@@ -1,7 +1,8 @@
 """The documentation: every ```python block in docs/ (and the README) runs, and `mkdocs build --strict` passes.
 
-Each page runs in its own subprocess (all started at once), in a fresh temporary directory, with its
-blocks executed in order in one namespace. A block whose fence carries a
+Each page runs in its own process, forked from one that has imported the frameworks
+(`_forkserver.py`), in a fresh temporary directory, with its blocks executed in order in one
+namespace. A block whose fence carries a
 ``title="name.py"`` (a file shown on the page, e.g. a pytest module) is written
 to that file in the directory instead of executed; later blocks may run it.
 
@@ -60,6 +61,7 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402  (not needed to run one page by hand)
+from _forkserver import ForkServer  # noqa: E402
 
 
 RUN_PAGES = [p for p in CODE_PAGES if code_blocks((ROOT / p).read_text())]
@@ -67,26 +69,18 @@ RUN_PAGES = [p for p in CODE_PAGES if code_blocks((ROOT / p).read_text())]
 
 @pytest.fixture(scope="module")
 def page_runs(tmp_path_factory):
-    """Start every page at once (each in its own directory); tests wait for their own."""
+    """Every page run in its own directory and process, one per core at a time; tests wait for their own."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    runs = {}
-    for page in RUN_PAGES:
-        cwd = tmp_path_factory.mktemp(Path(page).stem)
-        runs[page] = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), str(ROOT / page)],
-            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-    yield runs
-    for process in runs.values():
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
+    jobs = {page: ([Path(__file__).resolve(), ROOT / page], tmp_path_factory.mktemp(Path(page).stem)) for page in RUN_PAGES}
+    server = ForkServer(jobs, tmp_path_factory.mktemp("page_runs"), env)
+    yield server
+    server.close()
 
 
 @pytest.mark.parametrize("page", RUN_PAGES)
 def test_page_code_runs(page, page_runs):
-    stdout, stderr = page_runs[page].communicate(timeout=300)
-    assert page_runs[page].returncode == 0, f"{page} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+    code, stdout, stderr = page_runs.result(page)
+    assert code == 0, f"{page} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
 
 
 def test_there_are_at_least_ten_pages_and_all_are_in_the_nav():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _forkserver import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,12 +31,24 @@ def test_finite_differences_work_with_numpy_only():
     assert out.split() == ["False", "False"]
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
-def test_example_runs(script):
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+
+
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory):
+    """Every example run as ``python examples/<name>``, in its own process (forked from one that has
+    imported the frameworks), one per core at a time; tests wait for their own."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the checkout under test, not an installed copy
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True, env=env)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip()
+    server = ForkServer({name: ([ROOT / "examples" / name], ROOT) for name in EXAMPLES}, tmp_path_factory.mktemp("examples"), env)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_example_runs(script, example_runs):
+    code, stdout, stderr = example_runs.result(script)
+    assert code == 0, stderr
+    assert stdout.strip()
 
 
 def test_public_names():
