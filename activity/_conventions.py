@@ -34,10 +34,10 @@
   variable's ``path`` (``"sequential/dense/kernel"``); ``f`` gets the user's model, whose
   variables read the call's values inside a Keras ``StatelessScope``, so what ``f``
   assigns (BatchNormalization statistics, seed generator states) never reaches the user's.
-  The same holds for Keras models inside a pytree (``{"model": model, "scale": s}``, a
-  list of two models): each comes back as its dict of gradients in its place, the other
-  leaves follow the pytree rule, and a variable two of the models share is one parameter,
-  listed under its first one. (On the torch backend a Keras layer is a torch module: see
+  The same holds for Keras models and variables inside a pytree (``{"model": model, "scale": s}``,
+  a list of two models, ``model.trainable_variables``): each model comes back as its dict of
+  gradients in its place, each variable as its gradient, the other leaves follow the pytree
+  rule, and a variable two of them hold is one parameter, listed under the first. (On the torch backend a Keras layer is a torch module: see
   `backends._torch_keras`.)
 """
 
@@ -250,47 +250,63 @@ def _is_keras_layer(node: Any) -> bool:
     return layer is not None and isinstance(node, layer.Layer)
 
 
+def _is_keras_object(node: Any) -> bool:
+    """A Keras layer (a model) or variable."""
+    variables = sys.modules.get("keras.src.backend.common.variables")
+    return _is_keras_layer(node) or (variables is not None and isinstance(node, variables.Variable))
+
+
 @attrs.frozen(eq=False)
 class KerasModelsInPytree:
-    """Keras 3 layers or models inside a pytree (``{"model": model, "scale": s}``, a generator and
-    a discriminator in a list), on the JAX backend: each model is replaced by the dict of its
-    trainable variables' values keyed by path, as `KerasModel` splits one, and the other leaves
-    of the pytree stay where they are. Left a leaf, a model would be a static value, its weights
-    neither differentiated nor seen to change by a prepared call. A variable two of the models
-    share is one parameter, listed under its first one. The static part is the pytree's
-    structure down to the models, where the models are in it, the models themselves and their
-    variables' paths; inside f each model reads the call's values through one ``StatelessScope``."""
+    """Keras 3 layers, models and variables inside a pytree (``{"model": model, "scale": s}``,
+    a generator and a discriminator in a list, ``model.trainable_variables``), on the JAX
+    backend: each model is replaced by the dict of its trainable variables' values keyed by
+    path, as `KerasModel` splits one, each variable by its value (differentiated, where Active,
+    by the pytree rule), and the other leaves of the pytree stay where they are. Left a leaf,
+    a model or a variable would be a static value, its weights neither differentiated nor seen
+    to change by a prepared call. A variable two of them hold is one parameter, listed under
+    the first (a later variable leaf that is the same object is an empty dict). The static
+    part is the pytree's structure down to the models and variables, where they are in it,
+    the objects themselves and the models' variables' paths; inside f they read the call's
+    values through one ``StatelessScope``."""
 
     library = "keras"
     binds = True
 
     def split(self, value: Any) -> tuple[Any, Any, Any]:
-        leaves, spec = flatten(value, is_leaf=_is_keras_layer)
-        where = tuple(index for index, leaf in enumerate(leaves) if _is_keras_layer(leaf))
-        models = [leaves[index] for index in where]
-        for model in models:
-            _check_built(model)
+        leaves, spec = flatten(value, is_leaf=_is_keras_object)
+        where = tuple(index for index, leaf in enumerate(leaves) if _is_keras_object(leaf))
+        held = [leaves[index] for index in where]
+        for node in held:
+            if _is_keras_layer(node):
+                _check_built(node)
         layouts, rests = [], []
-        for index, model, (trainable, other) in zip(where, models, _variables_of(models)):
-            layouts.append((model, tuple(trainable), tuple(other)))
-            leaves[index] = {path: v.value for path, v in trainable.items()}
+        for index, node, (trainable, other) in zip(where, held, _variables_of(held)):
+            layouts.append((node, tuple(trainable), tuple(other)))
+            if _is_keras_layer(node):
+                leaves[index] = {path: v.value for path, v in trainable.items()}
+            else:  # a variable: its value, or nothing where an earlier node holds it
+                leaves[index] = trainable[node.path].value if trainable else {}
             rests.append({path: v.value for path, v in other.items()})
         return (spec, where, tuple(layouts)), unflatten(spec, leaves), tuple(rests)
 
     def merge(self, static: Any, params: Any, rest: Any) -> Bound:
         spec, where, layouts = static
         leaves = spec.flatten_up_to(params)
-        models = [model for model, _, _ in layouts]
+        held = [node for node, _, _ in layouts]
         mapping = []
-        for index, model, values, (trainable, other) in zip(where, models, rest, _variables_of(models)):
-            mapping += [(trainable[path], value) for path, value in leaves[index].items()]
+        for index, node, values, (trainable, other) in zip(where, held, rest, _variables_of(held)):
+            if _is_keras_layer(node):
+                mapping += [(trainable[path], value) for path, value in leaves[index].items()]
+            elif trainable:
+                mapping.append((node, leaves[index]))
             mapping += [(other[path], value) for path, value in values.items()]
-            leaves[index] = model
+            leaves[index] = node
         keras = sys.modules["keras"]
         return Bound(unflatten(spec, leaves), lambda: keras.StatelessScope(state_mapping=mapping))
 
     def result(self, static: Any, params: Any) -> Any:
-        return params  # the pytree with each model's {variable path: gradient} in its place
+        return params  # the pytree with each model's {variable path: gradient}, each variable's gradient, in its place
 
     def mask(self, static: Any, where: Any) -> Any:
         return where  # a pytree of bools with a dict keyed by variable path (or one bool) per model
@@ -300,30 +316,38 @@ class KerasModelsInPytree:
         return leaf_paths(params)
 
     def describe(self, value: Any) -> str:
-        return f"a {type(value).__name__} holding Keras models"
+        return f"a {type(value).__name__} holding Keras models or variables"
 
     def difference(self, static: Any, value: Any) -> str | None:
-        """The first model that is another object than the prepared one, or holds other variables."""
+        """The first model or variable that is another object than the prepared one, or a model
+        that holds other variables."""
         spec, where, layouts = self.split(value)[0]
         if spec != static[0]:
             return None  # another structure: the pytree's own message says where
         paths = leaf_paths(unflatten(spec, list(range(spec.num_leaves))))
-        for index, (model, trainable, other), (then, then_trainable, then_other) in zip(where, layouts, static[2]):
-            if model is not then:
-                return f"the Keras model at {paths[index]} is {model.name!r}, prepared with {then.name!r} (another object)"
+        for index, (node, trainable, other), (then, then_trainable, then_other) in zip(where, layouts, static[2]):
+            kind = "model" if _is_keras_layer(node) else "variable"
+            name = node.name if kind == "model" else node.path
+            then_name = then.name if _is_keras_layer(then) else then.path
+            if node is not then:
+                return f"the Keras {kind} at {paths[index]} is {name!r}, prepared with {then_name!r} (another object)"
             if (trainable, other) != (then_trainable, then_other):
-                return f"the Keras model {model.name!r} at {paths[index]} holds other variables than when it was prepared"
+                return f"the Keras model {name!r} at {paths[index]} holds other variables than when it was prepared"
         return None
 
 
-def _variables_of(models: list[Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Each model's trainable and other variables keyed by path, a variable an earlier model
-    holds too left out (it is that model's)."""
+def _variables_of(held: list[Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each model's trainable and other variables keyed by path, a variable an earlier model or
+    variable leaf holds too left out (it is that one's); a variable leaf is its own one entry of
+    the first dict."""
     seen: set[int] = set()
     found = []
-    for model in models:
-        trainable = _by_path(v for v in model.trainable_variables if id(v) not in seen)
-        other = _by_path(v for v in model.non_trainable_variables if id(v) not in seen)
+    for node in held:
+        if _is_keras_layer(node):
+            trainable = _by_path(v for v in node.trainable_variables if id(v) not in seen)
+            other = _by_path(v for v in node.non_trainable_variables if id(v) not in seen)
+        else:
+            trainable, other = ({node.path: node} if id(node) not in seen else {}), {}
         seen.update(id(v) for v in (*trainable.values(), *other.values()))
         found.append((trainable, other))
     return found
@@ -458,7 +482,7 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | Ker
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
     if _keras_on_jax(value):
         return _KERAS
-    if _keras_on_jax_loaded() and any(map(_is_keras_layer, flatten(value, is_leaf=_is_keras_layer)[0])):
+    if _keras_on_jax_loaded() and any(map(_is_keras_object, flatten(value, is_leaf=_is_keras_object)[0])):
         return _KERAS_IN_PYTREE
     # a model of a library not imported cannot be this one
     nnx, penzai = sys.modules.get("flax.nnx"), sys.modules.get("penzai.core.variables")
