@@ -34,7 +34,11 @@
   variable's ``path`` (``"sequential/dense/kernel"``); ``f`` gets the user's model, whose
   variables read the call's values inside a Keras ``StatelessScope``, so what ``f``
   assigns (BatchNormalization statistics, seed generator states) never reaches the user's.
-  (On the torch backend a Keras layer is a torch module: see `backends._torch_keras`.)
+  The same holds for Keras models and variables inside a pytree (``{"model": model, "scale": s}``,
+  a list of two models, ``model.trainable_variables``): each model comes back as its dict of
+  gradients in its place, each variable as its gradient, the other leaves follow the pytree
+  rule, and a variable two of them hold is one parameter, listed under the first. (On the torch backend a Keras layer is a torch module: see
+  `backends._torch_keras`.)
 """
 
 from __future__ import annotations
@@ -206,12 +210,7 @@ class KerasModel:
     binds = True
 
     def split(self, model: Any) -> tuple[Any, Any, Any]:
-        if not model.built:
-            raise TypeError(
-                f"activity: a Keras {type(model).__name__} that is not built yet (its weights are made by its "
-                f"first call) cannot be split into its weights. Call it once on an input of the right shape, or "
-                f"call its build(input_shape), before passing it."
-            )
+        _check_built(model)
         trainable, other = _by_path(model.trainable_variables), _by_path(model.non_trainable_variables)
         static = (model, tuple(trainable), tuple(other))
         return static, {path: v.value for path, v in trainable.items()}, {path: v.value for path, v in other.items()}
@@ -237,6 +236,123 @@ class KerasModel:
         return f"a Keras {type(model).__name__}"
 
 
+def _check_built(model: Any) -> None:
+    if not model.built:
+        raise TypeError(
+            f"activity: a Keras {type(model).__name__} that is not built yet (its weights are made by its "
+            f"first call) cannot be split into its weights. Call it once on an input of the right shape, or "
+            f"call its build(input_shape), before passing it."
+        )
+
+
+def _is_keras_layer(node: Any) -> bool:
+    layer = sys.modules.get("keras.src.layers.layer")
+    return layer is not None and isinstance(node, layer.Layer)
+
+
+def _is_keras_object(node: Any) -> bool:
+    """A Keras layer (a model) or variable."""
+    variables = sys.modules.get("keras.src.backend.common.variables")
+    return _is_keras_layer(node) or (variables is not None and isinstance(node, variables.Variable))
+
+
+@attrs.frozen(eq=False)
+class KerasModelsInPytree:
+    """Keras 3 layers, models and variables inside a pytree (``{"model": model, "scale": s}``,
+    a generator and a discriminator in a list, ``model.trainable_variables``), on the JAX
+    backend: each model is replaced by the dict of its trainable variables' values keyed by
+    path, as `KerasModel` splits one, each variable by its value (differentiated, where Active,
+    by the pytree rule), and the other leaves of the pytree stay where they are. Left a leaf,
+    a model or a variable would be a static value, its weights neither differentiated nor seen
+    to change by a prepared call. A variable two of them hold is one parameter, listed under
+    the first (a later variable leaf that is the same object is an empty dict). The static
+    part is the pytree's structure down to the models and variables, where they are in it,
+    the objects themselves and the models' variables' paths; inside f they read the call's
+    values through one ``StatelessScope``."""
+
+    library = "keras"
+    binds = True
+
+    def split(self, value: Any) -> tuple[Any, Any, Any]:
+        leaves, spec = flatten(value, is_leaf=_is_keras_object)
+        where = tuple(index for index, leaf in enumerate(leaves) if _is_keras_object(leaf))
+        held = [leaves[index] for index in where]
+        for node in held:
+            if _is_keras_layer(node):
+                _check_built(node)
+        layouts, rests = [], []
+        for index, node, (trainable, other) in zip(where, held, _variables_of(held)):
+            layouts.append((node, tuple(trainable), tuple(other)))
+            if _is_keras_layer(node):
+                leaves[index] = {path: v.value for path, v in trainable.items()}
+            else:  # a variable: its value, or nothing where an earlier node holds it
+                leaves[index] = trainable[node.path].value if trainable else {}
+            rests.append({path: v.value for path, v in other.items()})
+        return (spec, where, tuple(layouts)), unflatten(spec, leaves), tuple(rests)
+
+    def merge(self, static: Any, params: Any, rest: Any) -> Bound:
+        spec, where, layouts = static
+        leaves = spec.flatten_up_to(params)
+        held = [node for node, _, _ in layouts]
+        mapping = []
+        for index, node, values, (trainable, other) in zip(where, held, rest, _variables_of(held)):
+            if _is_keras_layer(node):
+                mapping += [(trainable[path], value) for path, value in leaves[index].items()]
+            elif trainable:
+                mapping.append((node, leaves[index]))
+            mapping += [(other[path], value) for path, value in values.items()]
+            leaves[index] = node
+        keras = sys.modules["keras"]
+        return Bound(unflatten(spec, leaves), lambda: keras.StatelessScope(state_mapping=mapping))
+
+    def result(self, static: Any, params: Any) -> Any:
+        return params  # the pytree with each model's {variable path: gradient}, each variable's gradient, in its place
+
+    def mask(self, static: Any, where: Any) -> Any:
+        return where  # a pytree of bools with a dict keyed by variable path (or one bool) per model
+
+    def mask_paths(self, params: Any) -> list[str]:
+        """The paths a ``where`` callable is given: ``['model']['sequential/dense/kernel']``."""
+        return leaf_paths(params)
+
+    def describe(self, value: Any) -> str:
+        return f"a {type(value).__name__} holding Keras models or variables"
+
+    def difference(self, static: Any, value: Any) -> str | None:
+        """The first model or variable that is another object than the prepared one, or a model
+        that holds other variables."""
+        spec, where, layouts = self.split(value)[0]
+        if spec != static[0]:
+            return None  # another structure: the pytree's own message says where
+        paths = leaf_paths(unflatten(spec, list(range(spec.num_leaves))))
+        for index, (node, trainable, other), (then, then_trainable, then_other) in zip(where, layouts, static[2]):
+            kind = "model" if _is_keras_layer(node) else "variable"
+            name = node.name if kind == "model" else node.path
+            then_name = then.name if _is_keras_layer(then) else then.path
+            if node is not then:
+                return f"the Keras {kind} at {paths[index]} is {name!r}, prepared with {then_name!r} (another object)"
+            if (trainable, other) != (then_trainable, then_other):
+                return f"the Keras model {name!r} at {paths[index]} holds other variables than when it was prepared"
+        return None
+
+
+def _variables_of(held: list[Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each model's trainable and other variables keyed by path, a variable an earlier model or
+    variable leaf holds too left out (it is that one's); a variable leaf is its own one entry of
+    the first dict."""
+    seen: set[int] = set()
+    found = []
+    for node in held:
+        if _is_keras_layer(node):
+            trainable = _by_path(v for v in node.trainable_variables if id(v) not in seen)
+            other = _by_path(v for v in node.non_trainable_variables if id(v) not in seen)
+        else:
+            trainable, other = ({node.path: node} if id(node) not in seen else {}), {}
+        seen.update(id(v) for v in (*trainable.values(), *other.values()))
+        found.append((trainable, other))
+    return found
+
+
 def _by_path(variables: Any) -> dict[str, Any]:
     """Keras variables keyed by path, each once (a variable two layers share is one parameter)."""
     keyed: dict[str, Any] = {}
@@ -250,8 +366,12 @@ def _by_path(variables: Any) -> dict[str, Any]:
 
 
 def _keras_on_jax(value: Any) -> bool:
-    layer = sys.modules.get("keras.src.layers.layer")  # a layer of a library not imported cannot be this one
-    return layer is not None and isinstance(value, layer.Layer) and sys.modules["keras"].backend.backend() == "jax"
+    return _is_keras_layer(value) and sys.modules["keras"].backend.backend() == "jax"
+
+
+def _keras_on_jax_loaded() -> bool:
+    # a layer of a library not imported cannot be in the value
+    return "keras.src.layers.layer" in sys.modules and sys.modules["keras"].backend.backend() == "jax"
 
 
 @attrs.frozen(eq=False)
@@ -350,6 +470,7 @@ def _describe_layout(layout: tuple[Any, ...]) -> str:
 _NNX = NNXModule()
 _NNX_IN_PYTREE = NNXModulesInPytree()
 _KERAS = KerasModel()
+_KERAS_IN_PYTREE = KerasModelsInPytree()
 _PENZAI = PenzaiVariables()
 
 
@@ -357,10 +478,12 @@ def _is_penzai_variable(leaf: Any) -> bool:
     return isinstance(leaf, sys.modules["penzai.core.variables"].AbstractVariable)
 
 
-def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | PenzaiVariables | None:
+def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | KerasModelsInPytree | PenzaiVariables | None:
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
     if _keras_on_jax(value):
         return _KERAS
+    if _keras_on_jax_loaded() and any(map(_is_keras_object, flatten(value, is_leaf=_is_keras_object)[0])):
+        return _KERAS_IN_PYTREE
     # a model of a library not imported cannot be this one
     nnx, penzai = sys.modules.get("flax.nnx"), sys.modules.get("penzai.core.variables")
     if nnx is not None:
@@ -373,4 +496,4 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | Pen
     return None
 
 
-__all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "NNXModule", "NNXModulesInPytree", "PenzaiVariables"]
+__all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "KerasModelsInPytree", "NNXModule", "NNXModulesInPytree", "PenzaiVariables"]

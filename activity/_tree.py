@@ -604,9 +604,81 @@ def structure_difference(expected: optree.PyTreeSpec, tree: Any, prefix: bool = 
         kinds = (expected.type.__name__ if expected.type else "a leaf", have.type.__name__ if have.type else "a leaf")
         parts.append(f"a {kinds[1]} where a {kinds[0]} is expected" if kinds[0] != kinds[1] else (
             "the static data of a node differs (a field not flattened as a leaf: an eqx.field(static=True), "
-            "a register_dataclass meta field)"
+            "a register_dataclass meta field, a function a distribution holds)"
+            + _static_data_difference(unflatten(expected, [None] * expected.num_leaves), tree)
         ))
     return "; ".join(parts)
+
+
+def _static_data_difference(expected: Any, tree: Any) -> str:
+    """Which node's static data differs between two trees of the same leaves, and where in it,
+    as ``": at ['model'], the JointDistributionSequential's [1]['callable_params']['model'][1]
+    is <function <lambda> at 0x...>, prepared with <function <lambda> at 0x...>"``; "" where
+    that is not told (a node no JAX treedef describes)."""
+    pending = [("", expected, tree)]
+    while pending:
+        path, want, have = pending.pop(0)
+        want_children, want_spec = _one_level(want)
+        have_children, have_spec = _one_level(have)
+        if want_spec.is_leaf() or have_spec.is_leaf():
+            continue
+        if want_spec != have_spec:
+            detail = _first_difference(_jax_node_data(want), _jax_node_data(have), "")
+            if detail is None:
+                return ""
+            inner, then, now = detail
+            now_text, then_text = _short(now), _short(then)
+            same = " (another object)" if now_text == then_text else ""  # a new lambda of the same code
+            return f": at {path or 'the root'}, the {type(have).__name__}'s {inner} is {now_text}, prepared with {then_text}{same}"
+        accessors = optree.tree_flatten_with_accessor(have, is_leaf=_below(have), namespace=NAMESPACE)[0]
+        pending += [(path + _codify(accessor), *pair) for accessor, pair in zip(accessors, zip(want_children, have_children))]
+    return ""
+
+
+def _below(node: Any) -> Callable[[Any], bool]:
+    """An ``is_leaf`` that flattens ``node`` one level: everything below it is a leaf."""
+    return lambda child: child is not node
+
+
+def _one_level(node: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    return optree.tree_flatten(node, is_leaf=_below(node), namespace=NAMESPACE)
+
+
+def _jax_node_data(node: Any) -> Any:
+    """A JAX pytree node's static data (its flatten's aux), or None."""
+    if not _node_types.get(type(node)) or "jax" not in sys.modules:
+        return None
+    import jax
+
+    try:
+        return jax.tree_util.tree_structure(node, is_leaf=lambda child: child is not node).node_data()[1]  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no one-level treedef to read: nothing to tell
+        return None
+
+
+def _first_difference(then: Any, now: Any, path: str) -> tuple[str, Any, Any] | None:
+    """The first place, item by item through tuples, lists and dicts, where two static values
+    differ (`same_static_value`): its path, the prepared value and the new one."""
+    if same_static_value(then, now):
+        return None
+    if isinstance(then, (tuple, list)) and type(then) is type(now) and len(then) == len(now):
+        for index, (a, b) in enumerate(zip(then, now)):
+            found = _first_difference(a, b, f"{path}[{index}]")
+            if found is not None:
+                return found
+    if isinstance(then, dict) and type(now) is dict and list(then) == list(now):
+        for key in then:
+            found = _first_difference(then[key], now[key], f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return (path or "static data"), then, now
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, types.FunctionType):  # without its address, which tells nothing
+        return f"<function {value.__qualname__}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def captured_values(function: Any) -> list[Any]:

@@ -129,20 +129,84 @@ def the_reference_warns_of_the_models_float32():
     _assert_close(np, reference, _by_path(model, want), rtol=1e-2, atol=1e-2)
 
 
-def keras_variables_and_models_in_a_pytree_are_told_what_to_do():
+def keras_variables_in_a_pytree_are_their_values():
+    # A list of Keras variables was refused as holding no floating-point value, and a variable
+    # in a Constant was a static leaf: a prepared call kept the value of its first trace after
+    # variable.assign (only a warning said so).
     jax, jnp, keras, np, ad, Active, Constant = _setup()
     model = _model(keras, "functional")
-    x = jnp.ones((2, 4))
-    try:
-        ad.gradient(lambda trainable, x: model.stateless_call(trainable, [], x)[0].sum(), Active(model.trainable_variables), Constant(x))
-    except TypeError as error:  # it said the list held no floating-point value
-        assert "a Keras Variable" in str(error) and "Active(model)" in str(error), error
-    else:
-        raise AssertionError("a list of Keras variables was differentiated")
-    with warnings.catch_warnings(record=True) as caught:  # jax.jit would keep its first weights
-        warnings.simplefilter("always")
-        ad.prepare(ad.gradient, lambda x, held: held["model"](x).sum(), Active(x), Constant({"model": model}))
-    assert any("Keras Functional inside a pytree" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+
+    def stateless(trainable, x):  # Keras's own recipe, given the variables or their values
+        return model.stateless_call(trainable, [], x)[0].sum()
+
+    want = jax.grad(stateless)([v.value for v in model.trainable_variables], x)
+    for got in (ad.gradient(stateless, Active(model.trainable_variables), Constant(x)),
+                ad.gradient(lambda variables, x: model(x).sum(), Active(model.trainable_variables), Constant(x))):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    temperature = keras.Variable(2.0, name="temperature")
+
+    def tempered(x, t):
+        return jnp.tanh(x / t.value).sum()
+
+    prepared = ad.prepare(ad.gradient, tempered, Active(x), Constant(temperature))
+    temperature.assign(0.5)
+    np.testing.assert_allclose(prepared(x, temperature), jax.grad(tempered)(x, temperature), rtol=1e-5, atol=1e-6)
+
+
+def models_in_a_pytree_are_differentiated_and_read_afresh():
+    # A Keras model inside a pytree was a static leaf: Active({"models": [...], "scale": s})
+    # gave None for every weight (only `scale` differentiated), and a prepared call with it in
+    # a Constant kept the weights of its first trace after kernel.assign (only a warning said so).
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    keras.utils.set_random_seed(0)
+    layers = keras.layers
+    encoder = keras.Sequential([keras.Input((4,)), layers.Dense(3, activation="tanh"), layers.BatchNormalization()])
+    head = keras.Sequential([keras.Input((3,)), layers.Dense(1)])
+    x = jax.random.normal(jax.random.key(1), (5, 4))
+    held = {"models": [encoder, head], "scale": jnp.array(1.5)}
+    before = [np.array(v.value) for v in (*encoder.variables, *head.variables)]
+
+    def f(held, x):  # BatchNormalization in training: batch statistics, assigned inside the scope
+        return (held["models"][1](held["models"][0](x, training=True)) ** 2 * held["scale"]).sum()
+
+    def raw(encoder_values, head_values, scale, x):
+        statistics = [v.value for v in encoder.non_trainable_variables]
+        hidden, _ = encoder.stateless_call(encoder_values, statistics, x, training=True)
+        return (head.stateless_call(head_values, [], hidden)[0] ** 2 * scale).sum()
+
+    def expected(x):
+        values = ([v.value for v in encoder.trainable_variables], [v.value for v in head.trainable_variables], held["scale"])
+        grads = jax.grad(raw, (0, 1, 2))(*values, x)
+        return _by_path(encoder, grads[0]), _by_path(head, grads[1]), grads[2]
+
+    def assert_like(got, want):  # float32 sums of ~0 (a BatchNormalization's beta): an absolute tolerance
+        _assert_close(np, got["models"][0], want[0], atol=1e-4)
+        _assert_close(np, got["models"][1], want[1], atol=1e-4)
+        np.testing.assert_allclose(got["scale"], want[2], rtol=1e-5)
+
+    assert_like(ad.gradient(f, Active(held), Constant(x)), expected(x))
+    masked = ad.gradient(f, Active(held, where={"models": [False, True], "scale": False}), Constant(x))
+    assert masked["scale"] is None and all(g is None for g in masked["models"][0].values()), masked
+    _assert_close(np, masked["models"][1], expected(x)[1])
+    prepared = ad.prepare(ad.gradient, f, Active(held), Constant(x))
+    kernel = head.trainable_variables[0]
+    kernel.assign(kernel.value * 2)
+    assert_like(prepared(held, 2 * x), expected(2 * x))
+
+    def features(x, held):
+        return jnp.tanh(held["model"](x)).sum()
+
+    h = jnp.ones((2, 3))
+    extractor = ad.prepare(ad.gradient, features, Active(h), Constant({"model": head}))
+    kernel.assign(kernel.value * 3)
+    np.testing.assert_allclose(extractor(h, {"model": head}), jax.grad(features)(h, {"model": head}), rtol=1e-5, atol=1e-6)
+    # a model inside another one in the same pytree: their shared variables are one parameter, the first's
+    stacked = keras.Sequential([encoder, head])
+    both = ad.gradient(lambda models, x: models[0](x).sum() + models[1](x).sum(), Active([encoder, stacked]), Constant(x))
+    assert list(both[1]) == [v.path for v in head.trainable_variables], list(both[1])
+    assert all(np.array_equal(b, np.array(v.value)) for b, v in zip(before[: len(encoder.variables)], encoder.variables))
 
 
 def an_unbuilt_layer_is_refused():
@@ -162,7 +226,8 @@ CHECKS = (
     a_mask_fine_tunes_the_head,
     a_constant_model_is_seen_with_its_new_weights,
     the_reference_warns_of_the_models_float32,
-    keras_variables_and_models_in_a_pytree_are_told_what_to_do,
+    keras_variables_in_a_pytree_are_their_values,
+    models_in_a_pytree_are_differentiated_and_read_afresh,
     an_unbuilt_layer_is_refused,
 )
 

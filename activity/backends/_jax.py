@@ -618,10 +618,10 @@ def _stale_reason(leaf: Any) -> str | None:
     layer = sys.modules.get("keras.src.layers.layer")
     if layer is not None and isinstance(leaf, layer.Layer):
         return (
-            f"a Keras {type(leaf).__name__} inside a pytree. jax.jit compiles the values its variables hold "
-            f"when it traces f, so a change of its weights between calls is not seen. Pass the model as an "
-            f"argument of its own, Constant(model) or Active(model): its variables' values are then the "
-            f"call's inputs."
+            f"a Keras {type(leaf).__name__} in a pytree that also holds Flax NNX modules or Penzai variables. "
+            f"jax.jit compiles the values its variables hold when it traces f, so a change of its weights "
+            f"between calls is not seen. Pass the Keras model in an argument of its own, Constant(model) or "
+            f"Active(model): its variables' values are then the call's inputs."
         )
     if isinstance(leaf, types.MethodType):  # `model.apply`: what it reads is its object's state
         owner = leaf.__self__
