@@ -44,7 +44,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -482,18 +482,33 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | Ker
     """The convention that splits ``value`` itself (not a plain pytree), or None."""
     if _keras_on_jax(value):
         return _KERAS
-    if _keras_on_jax_loaded() and any(map(_is_keras_object, flatten(value, is_leaf=_is_keras_object)[0])):
-        return _KERAS_IN_PYTREE
-    # a model of a library not imported cannot be this one
-    nnx, penzai = sys.modules.get("flax.nnx"), sys.modules.get("penzai.core.variables")
-    if nnx is not None:
-        if isinstance(value, nnx.Module):
-            return _NNX
-        if any(_is_nnx_module(leaf) for leaf in flatten(value, is_leaf=_is_nnx_module)[0]):
-            return _NNX_IN_PYTREE
-    if penzai is not None and any(map(_is_penzai_variable, flatten(value)[0])):
-        return _PENZAI
-    return None
+    nnx = sys.modules.get("flax.nnx")  # a model of a library not imported cannot be this one
+    if nnx is not None and isinstance(value, nnx.Module):
+        return _NNX
+    found = [
+        adapter
+        for adapter, holds in (
+            (_KERAS_IN_PYTREE, _keras_on_jax_loaded() and _holds(value, _is_keras_object)),
+            (_NNX_IN_PYTREE, nnx is not None and _holds(value, _is_nnx_module)),
+            (_PENZAI, "penzai.core.variables" in sys.modules and _holds(value, _is_penzai_variable)),
+        )
+        if holds
+    ]
+    if len(found) > 1:
+        # Each convention splits its own objects and would leave the others' as static leaves:
+        # their weights silently not differentiated, or stale in a prepared call.
+        names = {"keras": "Keras models or variables", "flax.nnx": "Flax NNX modules", "penzai": "Penzai variables"}
+        raise TypeError(
+            f"activity: this {type(value).__name__} holds {' and '.join(names[a.library] for a in found)}, which "
+            f"activity splits into their weights each by its own library's convention, not both in one "
+            f"argument. Pass each library's models in an argument of their own, e.g. "
+            f"gradient(f, Active(keras_part), Active(nnx_part))."
+        )
+    return found[0] if found else None
+
+
+def _holds(value: Any, kind: Callable[[Any], bool]) -> bool:
+    return any(map(kind, flatten(value, is_leaf=kind)[0]))
 
 
 __all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "KerasModelsInPytree", "NNXModule", "NNXModulesInPytree", "PenzaiVariables"]

@@ -221,6 +221,24 @@ def an_unbuilt_layer_is_refused():
     assert not layer.built
 
 
+def a_pytree_mixing_keras_and_nnx_models_is_refused():
+    # Each library's convention split its own models and left the other's as static leaves: the
+    # Keras model's weights came back None, silently.
+    jax, jnp, keras, np, ad, Active, Constant = _setup()
+    from flax import nnx
+
+    keras.utils.set_random_seed(0)
+    head = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    both = {"keras": head, "nnx": nnx.Linear(4, 3, rngs=nnx.Rngs(0))}
+    try:
+        ad.gradient(lambda m, x: m["keras"](m["nnx"](x)).sum(), Active(both), Constant(jnp.ones((2, 4))))
+    except TypeError as error:
+        assert "Keras models or variables and Flax NNX modules" in str(error), error
+        assert "an argument of their own" in str(error), error
+    else:
+        raise AssertionError("a pytree of a Keras model and an NNX module was differentiated")
+
+
 CHECKS = (
     active_models_against_stateless_call,
     a_mask_fine_tunes_the_head,
@@ -229,6 +247,7 @@ CHECKS = (
     keras_variables_in_a_pytree_are_their_values,
     models_in_a_pytree_are_differentiated_and_read_afresh,
     an_unbuilt_layer_is_refused,
+    a_pytree_mixing_keras_and_nnx_models_is_refused,
 )
 
 

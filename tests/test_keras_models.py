@@ -176,4 +176,4 @@ def test_keras_models_on_the_jax_backend():
     env = {**os.environ, "KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.split() == ["ok"] * 7, done.stdout
+    assert done.stdout.split() == ["ok"] * 8, done.stdout
