@@ -1,0 +1,158 @@
+"""Round 12 of the PyTorch sweep: opacus (a GradSampleModule, its per-parameter attributes and
+per-module activation lists), helpers held in ``__slots__`` objects, and more. Each expected value
+comes from torch.autograd.grad (or a double backward) on an independent copy of the user's objects,
+and the user's objects are checked unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from opacus import GradSampleModule
+from torch import nn
+
+import activity as ad
+from activity import Active, Constant
+
+from _sweeps import CLOSE, assert_close_dicts, generator, randn, raw_gradient, raw_gradient_of, trainable, untouched
+
+
+# opacus's full backward hooks fire on a loss whose inputs need no gradient, and torch says so
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook:UserWarning")
+
+
+def _seeded(build):
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return build()
+
+
+def _call(m, x):
+    return m(x)
+
+
+# ------------------------------------------------------------------ helpers held in __slots__
+
+
+class _Runner:
+    """A helper with ``__slots__`` (no ``__dict__``) holding a submodule, a private slot beside it."""
+
+    __slots__ = ("layer", "__gain")
+
+    def __init__(self, layer):
+        self.layer, self.__gain = layer, 2.0
+
+    def __call__(self, x):
+        return self.layer(x) * self.__gain
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Pair:
+    layer: nn.Module
+    weight: torch.Tensor
+
+
+class _Slotted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.other = nn.Linear(3, 3, dtype=torch.float64)
+        self.runner = _Runner(self.lin)
+        self.pairs = [_Pair(self.other, self.other.weight), 3]
+
+    def forward(self, x):
+        pair = self.pairs[0]
+        return (self.lin(x) + self.runner(x) + pair.layer(x) @ pair.weight).tanh().pow(2).sum()
+
+
+def test_submodules_and_parameters_held_in_slotted_objects_are_the_views():
+    """A plain object with ``__slots__`` (or a ``dataclass(slots=True)``) holding a submodule kept the
+    user's submodule in the view: the path through it was left out of the gradient, silently
+    (lin.weight off by 13.5, other.weight by 6.2 of the right values)."""
+    model, x = _seeded(_Slotted), randn(4, 3, seed=1)
+    intact = untouched(Active(model), Constant(x))
+    prepared = ad.prepare(ad.gradient, _call, Active(model), Constant(x))
+    assert_close_dicts(ad.gradient(_call, Active(model), Constant(x)), raw_gradient(_call, model, x), **CLOSE)
+    assert_close_dicts(prepared(model, x), raw_gradient(_call, model, x), **CLOSE)
+    assert intact()
+    with torch.no_grad():
+        model.lin.weight.mul_(2)  # between prepared calls
+    assert_close_dicts(prepared(model, x), raw_gradient(_call, model, x), **CLOSE)
+    assert model.runner.layer is model.lin and model.pairs[0].layer is model.other
+
+
+# ------------------------------------------------------------------ opacus
+
+
+def _dp_model():
+    return GradSampleModule(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+
+
+def _cross_entropy(m, x, y):
+    return nn.functional.cross_entropy(m(x), y)
+
+
+def _batch(size, seed):
+    g = generator(seed)
+    return torch.randn(size, 4, generator=g), torch.randint(0, 2, (size,), generator=g)
+
+
+def _opacus_state(model):
+    """What opacus keeps on the user's model: each parameter's attributes, each layer's activations."""
+    params = {n: {k: (len(v) if isinstance(v, list) else v) for k, v in vars(p).items()} for n, p in model.named_parameters()}
+    return params, {n: len(m.activations) for n, m in model.named_modules() if hasattr(m, "activations")}
+
+
+def test_an_opacus_grad_sample_module_is_differentiated_and_keeps_its_own_state():
+    """Opacus keeps a forward counter and the per-sample gradients on each parameter
+    (``p._forward_counter``, ``p.grad_sample``), which its hooks read and write on the parameters
+    the view holds: the tape's leaves had none (AttributeError '_forward_counter' in f), and as a
+    Constant the view held the user's own parameters, whose ``grad_sample`` the call overwrote."""
+    model = _seeded(_dp_model)
+    x, y = _batch(5, 1)
+    for _ in range(2):  # the user's own steps: grad_sample becomes a list of two batches
+        _cross_entropy(model, x, y).backward()
+    state = _opacus_state(model)
+    intact = untouched(Active(model), Constant(x), Constant(y))
+    want = raw_gradient_of(_cross_entropy, _seeded(_dp_model), x, y)
+    prepared = ad.prepare(ad.gradient, _cross_entropy, Active(model), Constant(x), Constant(y))
+    for got in (ad.gradient(_cross_entropy, Active(model), Constant(x), Constant(y)), prepared(model, x, y), prepared(model, x, y)):
+        assert_close_dicts(got, want, **CLOSE)
+    fd = ad.gradient(_cross_entropy, Active(model), Constant(x), Constant(y), backend=ad.AutoFiniteDifferences())
+    assert_close_dicts(fd, want, rtol=1e-4, atol=1e-5)
+    leaf = x.clone().requires_grad_()
+    want_x = torch.autograd.grad(_cross_entropy(_seeded(_dp_model), leaf, y), leaf)[0]
+    torch.testing.assert_close(ad.gradient(_cross_entropy, Constant(model), Active(x), Constant(y)), want_x, **CLOSE)
+    assert _opacus_state(model) == state
+    assert intact()
+
+
+def test_an_opacus_model_called_twice_in_f_leaves_the_users_activation_lists_alone():
+    """f calls the model twice (a loss and an aux output) and the backward pass pops one input per
+    layer: the view shared the user's ``module.activations`` lists, so one entry stayed in them, and
+    the user's next steps kept a stale ``max_batch_len``: a later batch of 3 got per-sample
+    gradients padded to 5 rows and scaled by 5/3."""
+    ours, reference = _seeded(_dp_model), _seeded(_dp_model)
+    (x5, y5), (x3, y3) = _batch(5, 1), _batch(3, 2)
+    for model in (ours, reference):
+        _cross_entropy(model, x5, y5).backward()
+
+    def with_logits(m, x, y):
+        return _cross_entropy(m, x, y), m(x)
+
+    before = _opacus_state(ours)
+    ad.value_and_gradient(with_logits, Active(ours), Constant(x5), Constant(y5), has_aux=True)
+    assert _opacus_state(ours) == before
+
+    def next_steps(model):
+        for x, y in ((x5, y5), (x3, y3)):
+            for p in model.parameters():
+                p.grad_sample = None
+            _cross_entropy(model, x, y).backward()
+        return [p.grad_sample for p in model.parameters()]
+
+    for got, want in zip(next_steps(ours), next_steps(reference)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
