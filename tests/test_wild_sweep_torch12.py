@@ -156,3 +156,40 @@ def test_an_opacus_model_called_twice_in_f_leaves_the_users_activation_lists_alo
 
     for got, want in zip(next_steps(ours), next_steps(reference)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ botorch
+
+
+def _fitted_gp():
+    from botorch.models import SingleTaskGP
+
+    train_x = torch.rand(8, 2, dtype=torch.float64)
+    return SingleTaskGP(train_x, train_x.sin().sum(-1, keepdim=True)).eval()
+
+
+def _acquisition_sum(acquisition, candidates):
+    return acquisition(candidates).sum()
+
+
+def test_the_hessian_of_a_botorch_acquisition_function_with_its_model_a_constant():
+    """botorch's analytic acquisition functions call ``self.to(device=X.device)`` in their forward,
+    which assigns ``.data`` of every parameter: on the forward-over-reverse path (``hessian``) the
+    Constant view held the user's own parameters, torch.func put its wrapper into them, and the
+    process crashed (a segfault, the GP's parameters left broken). The view now holds aliases made
+    inside the transform, torch refuses the write with an error, and the double backward runs."""
+    from botorch.acquisition import LogExpectedImprovement
+
+    gp = _seeded(_fitted_gp)
+    acquisition = LogExpectedImprovement(gp, best_f=gp.train_targets.max())
+    candidates = torch.rand(3, 1, 2, dtype=torch.float64, generator=generator(1))
+    intact = untouched(Constant(acquisition), Active(candidates))
+    twin = LogExpectedImprovement(_seeded(_fitted_gp), best_f=gp.train_targets.max())
+    leaf = candidates.clone().requires_grad_()
+    grad = torch.autograd.grad(_acquisition_sum(twin, leaf), leaf, create_graph=True)[0].reshape(-1)
+    rows = [torch.autograd.grad(g, leaf, retain_graph=True)[0] for g in grad]
+    want = torch.stack(rows).reshape(*candidates.shape, *candidates.shape)
+    got = ad.hessian(_acquisition_sum, Constant(acquisition), Active(candidates))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(ad.gradient(_acquisition_sum, Constant(acquisition), Active(candidates)), grad.detach().reshape(candidates.shape))
+    assert intact()
