@@ -193,3 +193,57 @@ def test_the_hessian_of_a_botorch_acquisition_function_with_its_model_a_constant
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(ad.gradient(_acquisition_sum, Constant(acquisition), Active(candidates)), grad.detach().reshape(candidates.shape))
     assert intact()
+
+
+# ------------------------------------------------------------------ Hugging Face key/value caches
+
+
+def _llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _seeded(_llama)
+
+
+_PREFIX = torch.randint(0, 32, (2, 4), generator=generator(1))
+_NEXT = torch.randint(0, 32, (2, 3), generator=generator(2))
+
+
+def _past(model):
+    with torch.no_grad():
+        return model(_PREFIX, use_cache=True).past_key_values
+
+
+def _continued(m, ids, past):
+    return m(ids, past_key_values=past, use_cache=True).logits.pow(2).sum()
+
+
+def test_a_dynamic_cache_passed_as_a_constant_is_not_extended_by_f(llama):
+    """The model's forward extends the DynamicCache it is given: held as an opaque constant, the
+    user's cache grew by 3 positions on every call (4, 7, 10), and the second call attended over
+    the first one's keys (its gradient off by 0.20). It is now a pytree of its layers' tensors,
+    rebuilt for each call, and ``Active(past)`` gives a DynamicCache of gradients."""
+    past = _past(llama)
+    twin = _seeded(_llama)
+    want = raw_gradient_of(_continued, twin, _NEXT, _past(twin))
+    intact = untouched(Active(llama), Constant(_NEXT), Constant(past))
+    prepared = ad.prepare(ad.gradient, _continued, Active(llama), Constant(_NEXT), Constant(past))
+    for got in (ad.gradient(_continued, Active(llama), Constant(_NEXT), Constant(past)), prepared(llama, _NEXT, past), prepared(llama, _NEXT, past)):
+        assert_close_dicts(got, want, **CLOSE)
+    assert past.get_seq_length() == _PREFIX.shape[1]
+    cached = _past(twin)
+    leaves = [t.requires_grad_() for layer in cached.layers for t in (layer.keys, layer.values)]
+    want_past = torch.autograd.grad(_continued(twin, _NEXT, cached), leaves)
+    got = ad.gradient(lambda past, m, ids: _continued(m, ids, past), Active(past), Constant(llama), Constant(_NEXT))
+    assert type(got) is type(past)
+    for value, expected in zip([t for layer in got.layers for t in (layer.keys, layer.values)], want_past):
+        torch.testing.assert_close(value, expected, **CLOSE)
+    assert intact()
