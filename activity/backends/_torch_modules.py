@@ -913,7 +913,8 @@ class ReusedView:
         for slots, key, tensor in self.refills:
             slots[key] = tensor  # f may have assigned another tensor to the slot
         for tensor, parameter in self.attributed:  # as the user's parameters carry them now
-            _attributes_of(tensor, parameter)
+            if tensor.__dict__ != parameter.__dict__:  # (a loaded Hugging Face model's flag on each: no copy)
+                _attributes_of(tensor, parameter)
         if self.plan.redirects:
             _redirect_all(self.plan, self.views, [*self.leaves, *self.held])
 
