@@ -158,6 +158,44 @@ def test_an_opacus_model_called_twice_in_f_leaves_the_users_activation_lists_alo
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class _Block(nn.Module):
+    def __init__(self, features):
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.features = features  # its parent's list
+
+    def forward(self, x):
+        y = self.lin(x).tanh()
+        self.features.append(y)
+        return y
+
+
+class _Collecting(nn.Module):
+    """Blocks that append their outputs to one list their parent holds and reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = []
+        self.blocks = nn.ModuleList([_Block(self.features) for _ in range(2)])
+
+    def forward(self, x):
+        self.features.clear()
+        for block in self.blocks:
+            x = block(x)
+        return sum(f.pow(2).sum() for f in self.features)
+
+
+def test_a_list_submodules_share_stays_shared_in_the_view():
+    """The view copies a module's plain lists (what f appends must not reach the user's), once per
+    list: a copy per module gave each block its own list and the parent read an empty one."""
+    model, x = _seeded(_Collecting), randn(2, 3, seed=1)
+    want = raw_gradient(_call, model, x)
+    prepared = ad.prepare(ad.gradient, _call, Active(model), Constant(x))
+    for got in (ad.gradient(_call, Active(model), Constant(x)), prepared(model, x), prepared(model, x)):
+        assert_close_dicts(got, want, **CLOSE)
+    assert model.features == []
+
+
 # ------------------------------------------------------------------ botorch
 
 

@@ -725,11 +725,12 @@ def _views(
     view's ``__dict__``, the view's own slots); ``attributed`` the (view's tensor, parameter)
     pairs whose parameter carries attributes (`_attributes_of`)."""
     views: list[Any] = []
+    plain: dict[int, Any] = {}
     for step in plan.steps:
         original = step.original_ref()
         state = original.__dict__.copy()
         if step.copied:
-            _copy_plain(state, step.copied)
+            _copy_plain(state, step.copied, plain)
         held = original._parameters
         parameters = {k: None if i < 0 else _parameter_slot(tensors[i], held.get(k)) for k, i in step.params}
         for k, i in step.attributed:
@@ -761,11 +762,17 @@ def _views(
     return views
 
 
-def _copy_plain(state: dict[str, Any], keys: tuple[str, ...]) -> None:
+def _copy_plain(state: dict[str, Any], keys: tuple[str, ...], copies: dict[int, Any]) -> None:
+    """A shallow copy of each plain list or dict at ``keys``; one copy per object over the whole
+    view (``copies``), so that submodules sharing a list (each block appending to its parent's
+    list of features) still share it in the view."""
     for key in keys:
         value = state.get(key)
         if type(value) is list or type(value) is dict:
-            state[key] = value.copy()
+            copied = copies.get(id(value))
+            if copied is None:
+                copied = copies[id(value)] = value.copy()
+            state[key] = copied
 
 
 def _attributes_of(tensor: Any, parameter: Any) -> Any:
@@ -901,11 +908,12 @@ class ReusedView:
         return counts + tuple(map(sys.getrefcount, self.held_copies)) if self.held_copies else counts
 
     def refresh(self) -> None:
+        plain: dict[int, Any] = {}
         for (original_ref, state, own), step in zip(self.copies, self.plan.steps):
             state.update(original_ref().__dict__)
             state.update(own)
             if step.copied:
-                _copy_plain(state, step.copied)
+                _copy_plain(state, step.copied, plain)
         # Every call: f may have changed a copy (BatchNorm statistics), and kernels that update
         # them do not all move the version counter, so nothing tells whether it did.
         if self.copy_kept is not None:
