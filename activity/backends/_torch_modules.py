@@ -225,13 +225,14 @@ def describe_module(module: Any) -> ModuleDescription:
     copied = {}
     optimized = _optimized_module_type()
     tree = _Tree(frozenset(seen.union(map(id, tensors))), frozenset(map(id, params)))
+    hooked = _hook_held(modules)
     for m in modules:
         if optimized is not None and isinstance(m, optimized):
             continue  # a view replaces it by its `_orig_mod` (see `bound_view`)
         keys = _redirected_keys(m, tree, names_of)
         if keys:
             redirected[id(m)] = keys
-        plain = _copied_keys(m, keys)
+        plain = _copied_keys(m, keys, hooked)
         if plain:
             copied[id(m)] = plain
     return ModuleDescription(
@@ -323,14 +324,16 @@ def replaced_parameters(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
     return replaced
 
 
-def _copied_keys(m: Any, redirected: tuple[str, ...]) -> tuple[str, ...]:
+def _copied_keys(m: Any, redirected: tuple[str, ...], hooked: set[int]) -> tuple[str, ...]:
     """The keys of ``m.__dict__`` holding a plain list or dict (not torch's own slots and hook
     dicts, nor one `_redirected_keys` rebuilds) that a view holds a shallow copy of: what f
     adds to it must not reach the user's module, as an attribute f sets does not. Opacus's
     hooks append each forward pass's inputs to ``module.activations`` and its backward hook
     pops them: a call that ran f's forward more often than its backward (f calling the model
     twice, a pushforward) left entries in the user's list, and the user's next training step
-    then kept a stale ``max_batch_len`` (its per-sample gradients scaled by another batch's size)."""
+    then kept a stale ``max_batch_len`` (its per-sample gradients scaled by another batch's size).
+    A list a hook of the tree holds in its closure (``hooked``: the hook appends to it, the
+    forward reads it) stays shared, so that what the hook appends is what the module reads."""
     keras_layer = keras_layer_type()
     if keras_layer is not None and isinstance(m, keras_layer):
         return ()  # (its variables' tracker holds its lists themselves)
@@ -338,8 +341,23 @@ def _copied_keys(m: Any, redirected: tuple[str, ...]) -> tuple[str, ...]:
         key
         for key, value in m.__dict__.items()
         if (type(value) is list or type(value) is dict) and key not in _SLOTS and key not in redirected
-        and key not in _RNN_WEIGHTS
+        and key not in _RNN_WEIGHTS and id(value) not in hooked
     )
+
+
+def _hook_held(modules: list[Any]) -> set[int]:
+    """The ids of what the hooks of ``modules`` hold in their closures (and a partial's arguments)."""
+    held: set[int] = set()
+    for m in modules:
+        state = m.__dict__
+        for name in _HOOK_DICTS:
+            for hook in (state.get(name) or {}).values():
+                function = hook.func if isinstance(hook, functools.partial) else hook
+                parts = [*closure_values(function)] if isinstance(function, types.FunctionType) else []
+                if isinstance(hook, functools.partial):
+                    parts += [*hook.args, *hook.keywords.values()]
+                held.update(map(id, parts))
+    return held
 
 
 def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str, ...]:
@@ -795,6 +813,11 @@ def _attributes_of(tensor: Any, parameter: Any) -> Any:
 _MUTABLE = frozenset((list, dict, set))
 
 
+def _same_attributes(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """The same keys, holding the same objects (by identity: pyro's parameters carry tensors)."""
+    return len(mine) == len(theirs) and all(mine.get(key, _MUTABLE) is value for key, value in theirs.items())
+
+
 def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None:
     by_id = {module_id: views[step] for module_id, step in plan.step_of}
     by_id.update((tensor_id, tensors[index]) for tensor_id, index in plan.tensor_of)
@@ -921,7 +944,7 @@ class ReusedView:
         for slots, key, tensor in self.refills:
             slots[key] = tensor  # f may have assigned another tensor to the slot
         for tensor, parameter in self.attributed:  # as the user's parameters carry them now
-            if tensor.__dict__ != parameter.__dict__:  # (a loaded Hugging Face model's flag on each: no copy)
+            if not _same_attributes(tensor.__dict__, parameter.__dict__):  # (a loaded Hugging Face model's flag on each)
                 _attributes_of(tensor, parameter)
         if self.plan.redirects:
             _redirect_all(self.plan, self.views, [*self.leaves, *self.held])
