@@ -1,12 +1,26 @@
-"""Round 12 of the PyTorch sweep: opacus (a GradSampleModule, its per-parameter attributes and
-per-module activation lists), helpers held in ``__slots__`` objects, and more. Each expected value
-comes from torch.autograd.grad (or a double backward) on an independent copy of the user's objects,
-and the user's objects are checked unchanged.
+"""Round 12 of the PyTorch sweep: opacus (a GradSampleModule's per-parameter attributes and per-layer
+activation lists), helpers held in ``__slots__`` objects, lists submodules and hooks share, a botorch
+acquisition function's Hessian with its GP a Constant (``self.to()`` in its forward), and Hugging
+Face key/value caches (``past_key_values``) as Constant and Active. Each expected value comes from
+torch.autograd.grad (or a double backward) on an independent copy of the user's objects, and the
+user's objects are checked unchanged.
+
+Also tried and fine, not kept: botorch's LogEI, UCB, PosteriorMean and qLogEI (gradient, prepared,
+pushforward, hvp w.r.t. the candidates; gradient and hvp w.r.t. the GP's hyper-parameters; the
+ExactMarginalLogLikelihood in train mode), kornia filters, colour and geometry ops and an
+AugmentationSequential (with given parameters, and drawing its own: the RNG advances as one eager
+call), monai UNet, SegResNet and SwinUNETR (train and eval, model and input gradients),
+vector-quantize-pytorch (EMA codebook buffers updated in forward: the user's stay), rotary-embedding-
+torch (learned and fixed frequencies, xpos, its caches filled by the user between prepared calls),
+sentence-transformers from a local tiny BERT (its forward writes into the features dict: the user's
+stays), normflows (ActNorm's data-dependent init inside f leaves the user's uninitialised), torch-ema
+(``average_parameters()`` inside f) and ``swa_utils.AveragedModel``, one parametrization registered
+on a shared module and one object registered on two modules, Hugging Face Gemma2 (soft-capping,
+sliding window), Gemma3, ModernBERT, Qwen3, Phi3, OLMo2 and Cohere. (BART's EncoderDecoderCache, extended by f as a DynamicCache was, is fixed by the same change.)
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -17,7 +31,7 @@ from torch import nn
 import activity as ad
 from activity import Active, Constant
 
-from _sweeps import CLOSE, assert_close_dicts, generator, randn, raw_gradient, raw_gradient_of, trainable, untouched
+from _sweeps import CLOSE, assert_close_dicts, generator, randn, raw_gradient, raw_gradient_of, untouched
 
 
 # opacus's full backward hooks fire on a loss whose inputs need no gradient, and torch says so
