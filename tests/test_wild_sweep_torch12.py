@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import gpytorch.settings
+import linear_operator.settings
 import pytest
 import torch
 from opacus import GradSampleModule
@@ -33,6 +35,27 @@ from activity import Active, Constant
 
 from _sweeps import CLOSE, assert_close_dicts, generator, randn, raw_gradient, raw_gradient_of, untouched
 
+
+
+def _import_botorch():
+    """botorch's import turns linear_operator's fast computations off and raises its Cholesky sizes
+    for the whole process: put back, so that the other test files see gpytorch's own defaults (round
+    10's stochastic marginal likelihood expects its probe-vector path) whichever order they run in."""
+    settings = [
+        *((linear_operator.settings, name, "_default") for name in ("_fast_covar_root_decomposition", "_fast_log_prob", "_fast_solves")),
+        *((linear_operator.settings, name, "_global_value") for name in ("cholesky_max_tries", "max_cholesky_size")),
+        (gpytorch.settings, "max_eager_kernel_size", "_global_value"),
+    ]
+    saved = [getattr(getattr(module, name), field) for module, name, field in settings]
+    import botorch.acquisition
+    import botorch.models
+
+    for (module, name, field), value in zip(settings, saved):
+        setattr(getattr(module, name), field, value)
+    return botorch
+
+
+botorch = _import_botorch()
 
 # opacus's full backward hooks fire on a loss whose inputs need no gradient, and torch says so
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook:UserWarning")
@@ -230,10 +253,8 @@ def test_a_list_submodules_or_hooks_share_stays_shared_in_the_view(build):
 
 
 def _fitted_gp():
-    from botorch.models import SingleTaskGP
-
     train_x = torch.rand(8, 2, dtype=torch.float64)
-    return SingleTaskGP(train_x, train_x.sin().sum(-1, keepdim=True)).eval()
+    return botorch.models.SingleTaskGP(train_x, train_x.sin().sum(-1, keepdim=True)).eval()
 
 
 def _acquisition_sum(acquisition, candidates):
@@ -246,8 +267,7 @@ def test_the_hessian_of_a_botorch_acquisition_function_with_its_model_a_constant
     Constant view held the user's own parameters, torch.func put its wrapper into them, and the
     process crashed (a segfault, the GP's parameters left broken). The view now holds aliases made
     inside the transform, torch refuses the write with an error, and the double backward runs."""
-    from botorch.acquisition import LogExpectedImprovement
-
+    LogExpectedImprovement = botorch.acquisition.LogExpectedImprovement
     gp = _seeded(_fitted_gp)
     acquisition = LogExpectedImprovement(gp, best_f=gp.train_targets.max())
     candidates = torch.rand(3, 1, 2, dtype=torch.float64, generator=generator(1))

@@ -909,6 +909,8 @@ class ReusedView:
         self.views = _views(plan, [*self.leaves, *self.held], copies, attributed)
         self.root = self.views[plan.root]
         self.copies = tuple(copies)
+        # (state, keys) of the copied modules whose plain lists and dicts a refresh copies again
+        self.plain = tuple((state, step.copied) for step, (_, state, _) in zip(plan.steps, copies) if step.copied)
         self.attributed = tuple(attributed)
         # Where each held tensor goes: (slots dict, key, what the view put there).
         n = len(self.leaves)
@@ -931,12 +933,13 @@ class ReusedView:
         return counts + tuple(map(sys.getrefcount, self.held_copies)) if self.held_copies else counts
 
     def refresh(self) -> None:
-        plain: dict[int, Any] = {}
-        for (original_ref, state, own), step in zip(self.copies, self.plan.steps):
+        for original_ref, state, own in self.copies:
             state.update(original_ref().__dict__)
             state.update(own)
-            if step.copied:
-                _copy_plain(state, step.copied, plain)
+        if self.plain:
+            plain: dict[int, Any] = {}
+            for state, keys in self.plain:
+                _copy_plain(state, keys, plain)
         # Every call: f may have changed a copy (BatchNorm statistics), and kernels that update
         # them do not all move the version counter, so nothing tells whether it did.
         if self.copy_kept is not None:
