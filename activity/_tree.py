@@ -392,6 +392,23 @@ def _pyg_store_path(key: Any) -> str:
     return "[" + ", ".join(map(repr, key if isinstance(key, tuple) else (key,))) + "]"
 
 
+def _is_hf_cache(cls: type) -> bool:
+    """Whether ``cls`` is a Hugging Face key/value cache (a ``DynamicCache``, ``StaticCache``,
+    ``EncoderDecoderCache``...) or one of its layers. A model's forward updates the cache it is
+    given (``past_key_values``), and a ``DynamicCache`` does so by binding new tensors to its
+    layers' attributes: held as an opaque constant, f's forward extended the user's cache on
+    every call (4 cached positions, then 7, then 10), and a second call attended over the
+    first call's keys, a wrong gradient. As a node of its layers' attributes, each call
+    rebuilds it, so f extends its own copy (a ``StaticCache`` writes into its tensors in place:
+    pass it as ``Cache(past)``, which f gets a copy of), and ``Active(past)`` differentiates the
+    cached keys and values."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return False
+    bases = tuple(getattr(cache_utils, name, None) for name in ("Cache", "CacheLayerMixin"))
+    return any(base is not None and issubclass(cls, base) for base in bases)
+
+
 def _fields(cls: type) -> list[tuple[str, bool]] | None:
     if attrs.has(cls):
         return [(a.name, a.init) for a in attrs.fields(cls)]
@@ -425,6 +442,9 @@ def _learn_type(value: Any) -> bool:
         _node_types[cls] = True
     elif _is_pyg_hetero_data(cls):
         _register_pyg_hetero_data_node(cls)
+        _node_types[cls] = True
+    elif _is_hf_cache(cls):
+        _register_fields_node(cls, [])  # every attribute a child, rebuilt without __init__
         _node_types[cls] = True
     elif (fields := _fields(cls)) is not None:
         if issubclass(cls, collections.abc.Mapping):

@@ -224,7 +224,7 @@ class AutoTorch(Backend):
         # A Constant module without buffers gets a view too: what f sets on its submodules (a
         # torchmetrics Metric's states and update count, a counter of calls) must not reach the
         # user's module, and a view costs a dict copy per submodule, not a tensor copy.
-        return bound_view(module, params, _copy_for_view)
+        return bound_view(module, params, _alias_for_view if _inside_functorch() else _copy_for_view)
 
     # -- execution ------------------------------------------------------------
 
@@ -471,6 +471,19 @@ def _copy_for_view(t: Any) -> Any:
     if t.is_inference():
         return t.clone()
     return t if isinstance(t, _torch().nn.Parameter) else t.clone()
+
+
+def _alias_for_view(t: Any) -> Any:
+    """`_copy_for_view` inside a torch.func transform, where a parameter the view holds as it is
+    gets an alias (its storage, its ``requires_grad``) instead. ``module.to(...)`` in f assigns
+    ``.data`` of every parameter the view holds (botorch's acquisition functions call
+    ``self.to(device=X.device)`` in their forward): under a transform that put the transform's
+    wrapper into the user's own parameter, and a later use of it crashed the process (the hessian
+    of an acquisition function with its model a Constant). On a tensor made inside the transform
+    torch refuses that write with an error, and an hvp falls back to the double backward."""
+    if type(t) is _torch().nn.Parameter and not t.is_inference():
+        return _torch().nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    return _copy_for_view(t)
 
 
 class _DualWatch:

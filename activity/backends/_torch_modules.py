@@ -92,6 +92,8 @@ class ModuleDescription:
     watched: tuple[Any, ...] = ()  # (index into module_refs, ((key, id(value)), ...)) where a view redirects keys
     # id(module) -> the __dict__ keys of that module a view redirects (see the module docstring).
     redirected: dict[Any, Any] = attrs.field(factory=dict)
+    # id(module) -> the __dict__ keys holding a plain list or dict a view copies (`_copied_keys`).
+    copied: dict[Any, Any] = attrs.field(factory=dict)
     plans: dict[Any, Any] = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
     narrowed: dict[tuple[str, ...], Any] = attrs.field(factory=dict)  # selected names -> the description `selecting` them
     reused: list[Any] = attrs.field(factory=list)  # idle `ReusedView`s of this description (see `lease_view`)
@@ -220,14 +222,19 @@ def describe_module(module: Any) -> ModuleDescription:
     has_buffers = any(b is not None for slots in slot_dicts[1::3] for b in slots.values())
     names_of = _module_names(module)
     redirected = {}
+    copied = {}
     optimized = _optimized_module_type()
     tree = _Tree(frozenset(seen.union(map(id, tensors))), frozenset(map(id, params)))
+    hooked = _hook_held(modules)
     for m in modules:
         if optimized is not None and isinstance(m, optimized):
             continue  # a view replaces it by its `_orig_mod` (see `bound_view`)
         keys = _redirected_keys(m, tree, names_of)
         if keys:
             redirected[id(m)] = keys
+        plain = _copied_keys(m, keys, hooked)
+        if plain:
+            copied[id(m)] = plain
     return ModuleDescription(
         weakref.ref(module),
         names,
@@ -251,6 +258,7 @@ def describe_module(module: Any) -> ModuleDescription:
             if id(m) in redirected
         ),
         redirected=redirected,
+        copied=copied,
     )
 
 
@@ -314,6 +322,42 @@ def replaced_parameters(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
                 if viewed is not own:
                     replaced[id(own)] = viewed
     return replaced
+
+
+def _copied_keys(m: Any, redirected: tuple[str, ...], hooked: set[int]) -> tuple[str, ...]:
+    """The keys of ``m.__dict__`` holding a plain list or dict (not torch's own slots and hook
+    dicts, nor one `_redirected_keys` rebuilds) that a view holds a shallow copy of: what f
+    adds to it must not reach the user's module, as an attribute f sets does not. Opacus's
+    hooks append each forward pass's inputs to ``module.activations`` and its backward hook
+    pops them: a call that ran f's forward more often than its backward (f calling the model
+    twice, a pushforward) left entries in the user's list, and the user's next training step
+    then kept a stale ``max_batch_len`` (its per-sample gradients scaled by another batch's size).
+    A list a hook of the tree holds in its closure (``hooked``: the hook appends to it, the
+    forward reads it) stays shared, so that what the hook appends is what the module reads."""
+    keras_layer = keras_layer_type()
+    if keras_layer is not None and isinstance(m, keras_layer):
+        return ()  # (its variables' tracker holds its lists themselves)
+    return tuple(
+        key
+        for key, value in m.__dict__.items()
+        if (type(value) is list or type(value) is dict) and key not in _SLOTS and key not in redirected
+        and key not in _RNN_WEIGHTS and id(value) not in hooked
+    )
+
+
+def _hook_held(modules: list[Any]) -> set[int]:
+    """The ids of what the hooks of ``modules`` hold in their closures (and a partial's arguments)."""
+    held: set[int] = set()
+    for m in modules:
+        state = m.__dict__
+        for name in _HOOK_DICTS:
+            for hook in (state.get(name) or {}).values():
+                function = hook.func if isinstance(hook, functools.partial) else hook
+                parts = [*closure_values(function)] if isinstance(function, types.FunctionType) else []
+                if isinstance(hook, functools.partial):
+                    parts += [*hook.args, *hook.keywords.values()]
+                held.update(map(id, parts))
+    return held
 
 
 def _redirected_keys(m: Any, tree: _Tree, names_of: dict[int, str]) -> tuple[str, ...]:
@@ -423,13 +467,18 @@ def _redirect(value: Any, views: dict[int, Any]) -> Any:
         view = views.get(id(target), target)
         return value if view is target else weakref.ref(view)
     if isinstance(value, (list, dict)) or _is_record(value):  # subclasses (OrderedDict), dataclasses, namespaces
+        if not hasattr(value, "__dict__") and not isinstance(value, (list, dict)) and not _reaches(value, views, depth=0):
+            return value  # a slotted object beside the tree's parts: not copied (it may not know how)
         rebuilt: Any = copy.copy(value)
         if isinstance(value, list):
             rebuilt[:] = [_redirect(item, views) for item in value]
         elif isinstance(value, dict):
             rebuilt.update((k, _redirect(v, views)) for k, v in value.items())
         else:
-            rebuilt.__dict__.update((k, _redirect(v, views)) for k, v in vars(value).items())
+            if hasattr(value, "__dict__"):
+                rebuilt.__dict__.update((k, _redirect(v, views)) for k, v in vars(value).items())
+            for name, item in _slot_items(value):  # (object.__setattr__: a frozen slotted dataclass refuses setattr)
+                object.__setattr__(rebuilt, name, _redirect(item, views))
         return rebuilt
     if _is_pytree_node(value):  # a tensordict TensorDict: rebuilt by its library around the view's parts
         pytree = sys.modules["torch.utils._pytree"]
@@ -495,10 +544,37 @@ def _is_record(value: Any) -> bool:
     the derivative through it lost)."""
     if isinstance(value, types.SimpleNamespace):
         return True
-    if isinstance(value, (type, types.FunctionType, types.ModuleType)) or not hasattr(value, "__dict__"):
+    if isinstance(value, (type, types.FunctionType, types.ModuleType)):
         return False
+    if not hasattr(value, "__dict__"):
+        # An instance of a class with ``__slots__`` (``dataclass(slots=True)``): its attributes
+        # live in the slots; a helper so held ran the user's submodule, the derivative through it lost.
+        return bool(_slot_names(type(value)))
     # a torch pytree node (a TensorDict) is taken apart by its own library, not by its __dict__
     return dataclasses.is_dataclass(value) or callable(value) or not _is_pytree_node(value)
+
+
+def _slot_names(kind: type) -> tuple[str, ...]:
+    """The attribute names the ``__slots__`` of ``kind`` and its bases declare (private ones
+    mangled as Python stores them), for the plain Python classes a view rebuilds."""
+    names: list[str] = []
+    for klass in kind.__mro__:
+        declared = vars(klass).get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def _slot_items(value: Any) -> list[tuple[str, Any]]:
+    """``(name, value)`` of the filled ``__slots__`` of ``value`` (an unset slot has no value)."""
+    missing = object()
+    items = ((name, getattr(value, name, missing)) for name in _slot_names(type(value)))
+    return [(name, item) for name, item in items if item is not missing]
 
 
 def _contents(value: Any) -> Any:
@@ -512,7 +588,10 @@ def _contents(value: Any) -> Any:
     if isinstance(value, weakref.ReferenceType):
         return (value(),)
     if _is_record(value):
-        return vars(value).values()
+        slotted = _slot_items(value)
+        if not slotted:
+            return vars(value).values()
+        return [*getattr(value, "__dict__", {}).values(), *(item for _, item in slotted)]
     if _is_pytree_node(value):  # all its leaves at once: a TensorDict nests deeper than the depth limit
         return sys.modules["torch.utils._pytree"].tree_leaves(value)
     return None
@@ -537,6 +616,8 @@ class _Copy:
     buffers: tuple[Any, ...]
     children: tuple[Any, ...]  # (key, step): step -1 for None, else the index of the child's view
     rnn: bool  # RNNs cache their weights in `_flat_weights`
+    attributed: tuple[Any, ...] = ()  # (key, source) of the parameters with Python attributes (`_attributes_of`)
+    copied: tuple[str, ...] = ()  # the __dict__ keys whose plain list or dict the view copies (`_copied_keys`)
 
 
 @attrs.frozen
@@ -586,6 +667,8 @@ def _plan(module: ModuleDescription, active: bool) -> _ViewPlan:
                 tuple((k, slot(b)) for k, b in m._buffers.items()),
                 children,
                 "_flat_weights_names" in m.__dict__,
+                tuple((k, slot(p)) for k, p in m._parameters.items() if p is not None and p.__dict__),
+                module.copied.get(id(m), ()),
             )
         )
         index_of[id(m)] = len(steps) - 1
@@ -652,16 +735,26 @@ def bound_view(module: ModuleDescription, params: list[Any] | None, convert: Cal
     return _views(plan, [*(params or ()), *map(convert, plan.sources)])[plan.root]
 
 
-def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None) -> list[Any]:
+def _views(
+    plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None, attributed: list[Any] | None = None
+) -> list[Any]:
     """One view per step of ``plan`` over ``tensors``; ``copies`` collects, for each copied
     submodule, what `ReusedView.refresh` needs to re-point it: (weakref to the original, the
-    view's ``__dict__``, the view's own slots)."""
+    view's ``__dict__``, the view's own slots); ``attributed`` the (view's tensor, parameter)
+    pairs whose parameter carries attributes (`_attributes_of`)."""
     views: list[Any] = []
+    plain: dict[int, Any] = {}
     for step in plan.steps:
         original = step.original_ref()
         state = original.__dict__.copy()
+        if step.copied:
+            _copy_plain(state, step.copied, plain)
         held = original._parameters
         parameters = {k: None if i < 0 else _parameter_slot(tensors[i], held.get(k)) for k, i in step.params}
+        for k, i in step.attributed:
+            parameters[k] = _attributes_of(parameters[k], held[k])
+            if attributed is not None:
+                attributed.append((parameters[k], held[k]))
         state["_parameters"] = parameters
         state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
         state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
@@ -685,6 +778,44 @@ def _views(plan: _ViewPlan, tensors: list[Any], copies: list[Any] | None = None)
     if plan.redirects:  # after every view exists: a method may refer to a parent
         _redirect_all(plan, views, tensors)
     return views
+
+
+def _copy_plain(state: dict[str, Any], keys: tuple[str, ...], copies: dict[int, Any]) -> None:
+    """A shallow copy of each plain list or dict at ``keys``; one copy per object over the whole
+    view (``copies``), so that submodules sharing a list (each block appending to its parent's
+    list of features) still share it in the view."""
+    for key in keys:
+        value = state.get(key)
+        if type(value) is list or type(value) is dict:
+            copied = copies.get(id(value))
+            if copied is None:
+                copied = copies[id(value)] = value.copy()
+            state[key] = copied
+
+
+def _attributes_of(tensor: Any, parameter: Any) -> Any:
+    """``tensor`` (the view's, in place of ``parameter``) with a copy of the Python attributes
+    ``parameter`` carries: opacus keeps a counter of forward passes (``p._forward_counter``) and
+    the per-sample gradients (``p.grad_sample``, a tensor or a list of them) on each parameter, and its hooks, which f runs,
+    read and write them on the parameters the view holds. A tape leaf without them made its
+    hooks fail, and a parameter held as it is (a Constant module's, a frozen one) had them
+    written on the user's own parameter: the view holds an alias of it then, the same storage
+    and ``requires_grad``."""
+    if tensor is parameter:
+        tensor = _parameter_type()(parameter.detach(), requires_grad=parameter.requires_grad)
+    state = tensor.__dict__
+    state.clear()
+    # (a list of them is copied: opacus appends each backward pass's per-sample gradients to it)
+    state.update((k, copy.copy(v) if type(v) in _MUTABLE else v) for k, v in parameter.__dict__.items())
+    return tensor
+
+
+_MUTABLE = frozenset((list, dict, set))
+
+
+def _same_attributes(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """The same keys, holding the same objects (by identity: pyro's parameters carry tensors)."""
+    return len(mine) == len(theirs) and all(mine.get(key, _MUTABLE) is value for key, value in theirs.items())
 
 
 def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None:
@@ -774,13 +905,17 @@ class ReusedView:
         # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
         self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
         copies: list[Any] = []
-        self.views = _views(plan, [*self.leaves, *self.held], copies)
+        attributed: list[Any] = []
+        self.views = _views(plan, [*self.leaves, *self.held], copies, attributed)
         self.root = self.views[plan.root]
         self.copies = tuple(copies)
-        # Where each held tensor goes: (slots dict, key, index into plan.sources).
+        # (state, keys) of the copied modules whose plain lists and dicts a refresh copies again
+        self.plain = tuple((state, step.copied) for step, (_, state, _) in zip(plan.steps, copies) if step.copied)
+        self.attributed = tuple(attributed)
+        # Where each held tensor goes: (slots dict, key, what the view put there).
         n = len(self.leaves)
         self.refills = tuple(
-            (slots, key, i - n)
+            (slots, key, slots[key])
             for step, (_, _, own) in zip(plan.steps, copies)
             for slots, entries in ((own["_parameters"], step.params), (own["_buffers"], step.buffers))
             for key, i in entries
@@ -801,15 +936,21 @@ class ReusedView:
         for original_ref, state, own in self.copies:
             state.update(original_ref().__dict__)
             state.update(own)
+        if self.plain:
+            plain: dict[int, Any] = {}
+            for state, keys in self.plain:
+                _copy_plain(state, keys, plain)
         # Every call: f may have changed a copy (BatchNorm statistics), and kernels that update
         # them do not all move the version counter, so nothing tells whether it did.
         if self.copy_kept is not None:
             self.copy_kept()
-        held = self.held
-        for slots, key, index in self.refills:
-            slots[key] = held[index]  # f may have assigned another tensor to the slot
+        for slots, key, tensor in self.refills:
+            slots[key] = tensor  # f may have assigned another tensor to the slot
+        for tensor, parameter in self.attributed:  # as the user's parameters carry them now
+            if not _same_attributes(tensor.__dict__, parameter.__dict__):  # (a loaded Hugging Face model's flag on each)
+                _attributes_of(tensor, parameter)
         if self.plan.redirects:
-            _redirect_all(self.plan, self.views, [*self.leaves, *held])
+            _redirect_all(self.plan, self.views, [*self.leaves, *self.held])
 
     def empty(self) -> bool:
         """Empty an idle view's copied modules (`refresh` fills them again, own slots last); False
