@@ -399,9 +399,9 @@ def _is_hf_cache(cls: type) -> bool:
     layers' attributes: held as an opaque constant, f's forward extended the user's cache on
     every call (4 cached positions, then 7, then 10), and a second call attended over the
     first call's keys, a wrong gradient. As a node of its layers' attributes, each call
-    rebuilds it, so f extends its own copy (a ``StaticCache`` writes into its tensors in place:
-    pass it as ``Cache(past)``, which f gets a copy of), and ``Active(past)`` differentiates the
-    cached keys and values."""
+    rebuilds it, so f extends its own copy (a ``StaticCache`` writes into its tensors in place,
+    as f may write into any Constant tensor: docs/pytorch-models.md says to pass a copy), and
+    ``Active(past)`` differentiates the cached keys and values."""
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None:
         return False
