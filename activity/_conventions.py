@@ -44,7 +44,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -198,44 +198,6 @@ class Bound:
     scope: Any
 
 
-@attrs.frozen(eq=False)
-class KerasModel:
-    """A Keras 3 layer or model on the JAX backend: split into the model itself (static: the
-    same object is the same signature), the values of its trainable variables (differentiated
-    where Active) and of the others (data), each a dict keyed by the variable's path. A Keras
-    model cannot be rebuilt around other values; inside f its variables read the call's values
-    through a ``StatelessScope``, as in ``model.stateless_call``."""
-
-    library = "keras"
-    binds = True
-
-    def split(self, model: Any) -> tuple[Any, Any, Any]:
-        _check_built(model)
-        trainable, other = _by_path(model.trainable_variables), _by_path(model.non_trainable_variables)
-        static = (model, tuple(trainable), tuple(other))
-        return static, {path: v.value for path, v in trainable.items()}, {path: v.value for path, v in other.items()}
-
-    def merge(self, static: Any, params: Any, rest: Any) -> Bound:
-        model = static[0]
-        keras = sys.modules["keras"]
-        variables = {**_by_path(model.trainable_variables), **_by_path(model.non_trainable_variables)}
-        mapping = [(variables[path], value) for path, value in (*params.items(), *rest.items())]
-        return Bound(model, lambda: keras.StatelessScope(state_mapping=mapping))
-
-    def result(self, static: Any, params: Any) -> Any:
-        return params  # {variable path: gradient}
-
-    def mask(self, static: Any, where: Any) -> Any:
-        return where  # a dict of bools keyed by variable path, as the result is
-
-    def mask_paths(self, params: Any) -> list[str]:
-        """The paths a ``where`` callable is given: each variable's own (``"sequential/dense/kernel"``)."""
-        return [path[2:-2] for path in leaf_paths(params)]  # "['a/b/kernel']": the key, in flatten order
-
-    def describe(self, model: Any) -> str:
-        return f"a Keras {type(model).__name__}"
-
-
 def _check_built(model: Any) -> None:
     if not model.built:
         raise TypeError(
@@ -324,16 +286,32 @@ class KerasModelsInPytree:
         spec, where, layouts = self.split(value)[0]
         if spec != static[0]:
             return None  # another structure: the pytree's own message says where
-        paths = leaf_paths(unflatten(spec, list(range(spec.num_leaves))))
+        # where each one is in the pytree ("" for a model passed alone: no place to name)
+        places = [f" at {path}" if path else "" for path in leaf_paths(unflatten(spec, list(range(spec.num_leaves))))]
         for index, (node, trainable, other), (then, then_trainable, then_other) in zip(where, layouts, static[2]):
             kind = "model" if _is_keras_layer(node) else "variable"
             name = node.name if kind == "model" else node.path
             then_name = then.name if _is_keras_layer(then) else then.path
             if node is not then:
-                return f"the Keras {kind} at {paths[index]} is {name!r}, prepared with {then_name!r} (another object)"
+                return f"the Keras {kind}{places[index]} is {name!r}, prepared with {then_name!r} (another object)"
             if (trainable, other) != (then_trainable, then_other):
-                return f"the Keras model {name!r} at {paths[index]} holds other variables than when it was prepared"
+                return f"the Keras model {name!r}{places[index]} holds other variables than when it was prepared"
         return None
+
+
+@attrs.frozen(eq=False)
+class KerasModel(KerasModelsInPytree):
+    """A Keras 3 layer or model passed as an argument of its own, on the JAX backend: the pytree
+    whose root is the model, so its values are the dict of its trainable variables' values keyed
+    by path, as ``model.stateless_call`` takes them. A Keras model cannot be rebuilt around other
+    values; inside f its variables read the call's values through a ``StatelessScope``."""
+
+    def mask_paths(self, params: Any) -> list[str]:
+        """The paths a ``where`` callable is given: each variable's own (``"sequential/dense/kernel"``)."""
+        return [path[2:-2] for path in leaf_paths(params)]  # "['a/b/kernel']": the key, in flatten order
+
+    def describe(self, model: Any) -> str:
+        return f"a Keras {type(model).__name__}"
 
 
 def _variables_of(held: list[Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -422,19 +400,27 @@ class PenzaiVariables:
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Penzai variables"
 
-    def loose_arrays(self, value: Any) -> list[str]:
-        """The paths of floating arrays outside any variable in ``value``, where ``value`` is a
-        container of Penzai models rather than a model: as an Active argument they would be data
-        here, where the pytree rule differentiates them. Inside a model (a Penzai ``Struct``)
+    def active_refusal(self, value: Any, rest: Any) -> str | None:
+        """Why ``value`` (split, its ``rest``) cannot be Active, or None: floating arrays outside
+        any variable, where ``value`` is a container of Penzai models rather than a model, would be
+        data here, where the pytree rule differentiates them. Inside a model (a Penzai ``Struct``)
         such arrays are constants, as Penzai's own trainer has them: only Parameters are trained."""
         if isinstance(value, sys.modules["penzai.core.struct"].Struct):
-            return []
-        unbound = self.split(value)[2][0]
-        return [
+            return None
+        unbound = rest[0]
+        loose = [
             path
             for path, leaf in zip(leaf_paths(unbound), flatten(unbound)[0])
             if hasattr(leaf, "dtype") and hasattr(leaf, "shape") and np.dtype(leaf.dtype).kind == "f"
         ]
+        if not loose:
+            return None
+        return (
+            f"holds Penzai variables, which are differentiated in their pz.Parameters (the result is the tuple "
+            f"of pz.ParameterValue), and floating arrays outside them at {', '.join(loose[:3])}"
+            f"{' ...' if len(loose) > 3 else ''}, which that result has no place for. Pass those arrays as an "
+            f"Active argument of their own (or as Constant data), and the models alone in this one."
+        )
 
     def difference(self, static: Any, value: Any) -> str | None:
         """The first variable whose kind, label or layout differs from the prepared ones."""
@@ -485,15 +471,21 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | Ker
     nnx = sys.modules.get("flax.nnx")  # a model of a library not imported cannot be this one
     if nnx is not None and isinstance(value, nnx.Module):
         return _NNX
-    found = [
-        adapter
-        for adapter, holds in (
-            (_KERAS_IN_PYTREE, _keras_on_jax_loaded() and _holds(value, _is_keras_object)),
-            (_NNX_IN_PYTREE, nnx is not None and _holds(value, _is_nnx_module)),
-            (_PENZAI, "penzai.core.variables" in sys.modules and _holds(value, _is_penzai_variable)),
+    # The libraries imported (a model of one not imported cannot be in the value), each with what
+    # marks its objects; one flatten of the value finds which of them it holds.
+    kinds = [
+        (adapter, kind)
+        for adapter, kind, loaded in (
+            (_KERAS_IN_PYTREE, _is_keras_object, _keras_on_jax_loaded()),
+            (_NNX_IN_PYTREE, _is_nnx_module, nnx is not None),
+            (_PENZAI, _is_penzai_variable, "penzai.core.variables" in sys.modules),
         )
-        if holds
+        if loaded
     ]
+    if not kinds:
+        return None
+    leaves = flatten(value, is_leaf=lambda node: any(kind(node) for _, kind in kinds))[0]
+    found = [adapter for adapter, kind in kinds if any(map(kind, leaves))]
     if len(found) > 1:
         # Each convention splits its own objects and would leave the others' as static leaves:
         # their weights silently not differentiated, or stale in a prepared call.
@@ -505,10 +497,6 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | Ker
             f"gradient(f, Active(keras_part), Active(nnx_part))."
         )
     return found[0] if found else None
-
-
-def _holds(value: Any, kind: Callable[[Any], bool]) -> bool:
-    return any(map(kind, flatten(value, is_leaf=kind)[0]))
 
 
 __all__ = ["is_python_number", "adapter_for", "Bound", "KerasModel", "KerasModelsInPytree", "NNXModule", "NNXModulesInPytree", "PenzaiVariables"]

@@ -379,21 +379,22 @@ class Problem:
 
     # ------------------------------------------------------------------ parsing
 
-    def selection(self, position: int, value: Any, where: Any) -> tuple[Any, ...] | None:
+    def selection(self, position: int, value: Any, where: Any, adapted: tuple[Any, Any] | None = None) -> tuple[Any, ...] | None:
         """What ``Active(value, where=where)`` differentiates: None for all of it, else one entry
         per leaf: a bool for a leaf that would be differentiated, the selected parameter names
         for a torch module, None for the others. Checked: a mask that selects nothing, has
-        the wrong structure, or answers anything but a bool is a TypeError naming the argument."""
+        the wrong structure, or answers anything but a bool is a TypeError naming the argument.
+        ``adapted``: `_adapted_split` of ``value``, where the caller has it."""
         if where is None:
             return None
         label = f"activity.{self.op_name}: {self.label(position)} (Active with where=)"
         predicate = is_predicate(where)
-        adapter = adapter_for(value)
+        adapter, split = adapted if adapted is not None else _adapted_split(value)
         if adapter is None:
             leaves, spec = flatten(value)
             tree, trainable = value, len(leaves)
         else:
-            static, params, rest = adapter.split(value)
+            static, params, rest = split
             tree, trainable = params, len(flatten(params)[0])
             leaves, spec = flatten((params, rest))
             where = where if predicate else adapter.mask(static, where)
@@ -442,23 +443,17 @@ class Problem:
         return tuple(selected)
 
     def _add_argument(self, position: int, kind: str, value: Any, where: Any = None) -> None:
-        selection = self.selection(position, value, where) if kind == "active" else None
+        adapter, split = _adapted_split(value)
+        selection = self.selection(position, value, where, (adapter, split)) if kind == "active" else None
         self.selections.append(selection)
-        adapter = adapter_for(value)
         if adapter is None:
             leaves, spec = flatten(value)
             trainable = len(leaves)
         else:
-            static, params, rest = adapter.split(value)
-            loose = adapter.loose_arrays(value) if kind == "active" and hasattr(adapter, "loose_arrays") else []
-            if loose:
-                raise TypeError(
-                    f"activity.{self.op_name}: {self.label(position)} (Active) holds Penzai variables, which are "
-                    f"differentiated in their pz.Parameters (the result is the tuple of pz.ParameterValue), and "
-                    f"floating arrays outside them at {', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''}, "
-                    f"which that result has no place for. Pass those arrays as an Active argument of their own "
-                    f"(or as Constant data), and the models alone in this one."
-                )
+            static, params, rest = split
+            refusal = adapter.active_refusal(value, rest) if kind == "active" and hasattr(adapter, "active_refusal") else None
+            if refusal is not None:
+                raise TypeError(f"activity.{self.op_name}: {self.label(position)} (Active) {refusal}")
             trainable_leaves, trainable_spec = flatten(params)
             trainable = len(trainable_leaves)
             self.adapted[position] = (adapter, static, trainable, trainable_spec)
@@ -1125,6 +1120,12 @@ def _complex_parameter(leaf: Any, index: int, trainable: int, in_tree: bool) -> 
     """Whether an Active argument's leaf is complex where a real one would be differentiated
     (see `_differentiable`): complex differentiation is not supported, so it is refused."""
     return arrays.dtype_kind(leaf) == "c" and _parameter_place(leaf, index, trainable, in_tree)
+
+
+def _adapted_split(value: Any) -> tuple[Any, Any]:
+    """The model library's convention that splits ``value`` (`adapter_for`) and its split, or (None, None)."""
+    adapter = adapter_for(value)
+    return adapter, None if adapter is None else adapter.split(value)
 
 
 def _paths_in_order(value: Any, leaves: list[Any], adapted: bool) -> list[str]:

@@ -633,7 +633,8 @@ def structure_difference(expected: optree.PyTreeSpec, tree: Any, prefix: bool = 
 def _static_data_difference(expected: Any, tree: Any) -> str:
     """Which node's static data differs between two trees of the same leaves, and where in it,
     as ``": at ['model'], the JointDistributionSequential's [1]['callable_params']['model'][1]
-    is <function <lambda> at 0x...>, prepared with <function <lambda> at 0x...>"``; "" where
+    is <function joint.<locals>.<lambda>>, prepared with <function joint.<locals>.<lambda>> (another
+    object)"``; "" where
     that is not told (a node no JAX treedef describes)."""
     pending = [("", expected, tree)]
     while pending:

@@ -618,9 +618,10 @@ def _stale_reason(leaf: Any) -> str | None:
     layer = sys.modules.get("keras.src.layers.layer")
     if layer is not None and isinstance(leaf, layer.Layer):
         return (
-            f"a Keras {type(leaf).__name__} in a pytree that also holds Flax NNX modules or Penzai variables. "
-            f"jax.jit compiles the values its variables hold when it traces f, so a change of its weights "
-            f"between calls is not seen. Pass the Keras model in an argument of its own, Constant(model) or "
+            f"a Keras {type(leaf).__name__} held where activity does not split it into its variables' values "
+            f"(inside a Flax NNX module, or with Keras running on another backend than JAX). jax.jit compiles "
+            f"the values its variables hold when it traces f, so a change of its weights between calls is not "
+            f"seen. Pass the Keras model (on Keras's JAX backend) in an argument of its own, Constant(model) or "
             f"Active(model): its variables' values are then the call's inputs."
         )
     if isinstance(leaf, types.MethodType):  # `model.apply`: what it reads is its object's state
