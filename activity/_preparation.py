@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Generic, ParamSpec, Sequence, TypeVar, overload
 
 from . import _arrays as arrays
 from ._annotations import Annotation
+from ._direct_call import specialised_call
 from ._errors import PreparationMismatchError, caller_stacklevel, drop_jax_note, explain_runtime_check
 from ._operators._common import (
     Operator,
@@ -94,6 +98,7 @@ class Prepared(Generic[R]):
         self.operator: str = plan.operator.name
         self.backend: Backend = plan.backend
         self._keywords = plan.problem.keywords  # f's keyword arguments, taken by name per call
+        self._seed_names = tuple(seed_kwargs)  # the tangent keywords a specialised __call__ takes by name
         self._new_signatures = 0  # plans made after prepare, for the warning
         self._warned = False
         self._compiled_signatures = 1  # signatures traced into the compiled call
@@ -120,15 +125,27 @@ class Prepared(Generic[R]):
             except self._direct_misses:
                 pass  # the checked path, outside this handler: its error is not chained to the miss
             except Exception as error:
-                explain_runtime_check(error, f"{self.operator} with backend {self.backend!r}")
-                drop_jax_note(error)
+                self._explain(error)
                 raise
             else:
                 rebuild = self._direct_rebuild
                 return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
-            annotated = any(isinstance(arg, Annotation) for arg in args)  # refused by the direct call
-            return self._reported(self._call if annotated else self._checked_call, args, seed_kwargs)  # type: ignore[no-any-return]
+            return self._after_miss(args, seed_kwargs)  # type: ignore[no-any-return]
         return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
+
+    def _generic_call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
+        """`__call__` for any arguments: what a specialised ``__call__`` (see `_set_compiled_call`)
+        hands a call of another shape than the prepared one."""
+        return Prepared.__call__(self, *args, **seed_kwargs)
+
+    def _after_miss(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
+        """The call the compiled call declined: the checked path says what differs (or runs it)."""
+        annotated = any(isinstance(arg, Annotation) for arg in args)  # refused by the compiled call
+        return self._reported(self._call if annotated else self._checked_call, args, seed_kwargs)
+
+    def _explain(self, error: BaseException) -> None:
+        explain_runtime_check(error, f"{self.operator} with backend {self.backend!r}")
+        drop_jax_note(error)
 
     def _call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
         if self._keywords:
@@ -157,8 +174,7 @@ class Prepared(Generic[R]):
         try:
             return call(*args)
         except Exception as error:
-            explain_runtime_check(error, f"{self.operator} with backend {self.backend!r}")
-            drop_jax_note(error)
+            self._explain(error)
             raise
 
     def _set_compiled_call(self, compiled_call: Any) -> None:
@@ -169,6 +185,32 @@ class Prepared(Generic[R]):
         self._direct_misses = compiled_call.misses if direct else ()
         self._direct_rebuild = compiled_call.rebuild if direct else None
         self._direct_takes_annotations = not (direct and compiled_call.refuses_annotations)
+        self._specialise(compiled_call if direct else None)
+
+    def _specialise(self, compiled_call: Any) -> None:
+        """Give this object a ``__call__`` written for the prepared call (`specialised_call`),
+        or take it away (None): the method lives on a subclass of its own, made on first use,
+        as Python looks a call's ``__call__`` up on the type."""
+        specialised = None
+        if compiled_call is not None:
+            specialised = specialised_call(
+                len(self._plan.problem.kinds), self._seed_names, compiled_call.call, compiled_call.misses,
+                compiled_call.rebuild, not compiled_call.refuses_annotations,
+                Prepared._generic_call, Prepared._after_miss, Prepared._explain,
+            )
+        owner = type(self).__dict__.get("_specialised_for")
+        own = owner is not None and owner() is self  # a copy of this object has its class, not its own
+        if specialised is None:
+            if own:
+                type(self).__call__ = Prepared.__call__  # type: ignore[method-assign]
+            return
+        if not own:
+            cls = type(self).__mro__[1] if owner is not None else type(self)  # not a copy's owner's subclass
+            namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+            self.__class__ = type(cls.__name__, (cls,), {**namespace, "_specialised_for": weakref.ref(self)})
+        specialised.__doc__, specialised.__qualname__ = Prepared.__call__.__doc__, "Prepared.__call__"
+        specialised.__signature__ = _generic_signature()  # type: ignore[attr-defined]  # what `inspect` shows
+        type(self).__call__ = specialised  # type: ignore[method-assign]
 
     def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The positional arguments followed by the prepared keyword arguments for f, taken out
@@ -361,6 +403,11 @@ class Prepared(Generic[R]):
             f"bucket batches), or prepare one operator per signature. At most max_signatures="
             f"{self._max_signatures} signatures are kept, the least recently used are dropped."
         )
+
+
+@functools.cache
+def _generic_signature() -> inspect.Signature:
+    return inspect.signature(Prepared.__call__)
 
 
 def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...], values: tuple[Any, ...], problem: Any) -> str:

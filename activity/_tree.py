@@ -555,7 +555,10 @@ def _generated_rebuilder(spec: optree.PyTreeSpec) -> Callable[[Any], Any] | None
     except RecursionError:
         return None
     code = compile(f"lambda leaves: {body}", "<activity rebuilder>", "eval")
-    return eval(code, names)  # type: ignore[no-any-return]  # noqa: S307 - the source is built above from the structure's kinds only
+    rebuild = eval(code, names)  # noqa: S307 - the source is built above from the structure's kinds only
+    # for a caller that inlines the expression (`specialised_call`): it reads ``leaves``
+    rebuild.source, rebuild.names = body, names
+    return rebuild  # type: ignore[no-any-return]
 
 
 def _has_validating_namedtuple(spec: optree.PyTreeSpec) -> bool:
