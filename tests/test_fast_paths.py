@@ -581,3 +581,44 @@ def test_prepared_hvp_gives_owned_zeros_when_a_later_call_takes_a_branch_whose_d
     zeros += 1.0  # owned, writable
     torch.testing.assert_close(zeros, torch.ones(3))
     torch.testing.assert_close(prepared(x, torch.tensor(2.0), tangent=t), 6 * x * t, **TOL)
+
+
+# ---------------------------------------------------------------- parameters carrying Python attributes
+
+
+class _ScaledLinear(nn.Linear):
+    """Reads a Python attribute of its weight in forward, as quantisation and pruning wrappers do."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight * self.weight.scale, self.bias)
+
+
+@pytest.mark.parametrize("scales", [(2.0, 3.0, 3.0), (torch.tensor(2.0), torch.tensor(0.5), 4.0)], ids=["numbers", "tensors"])
+def test_a_prepared_call_follows_the_attributes_its_parameters_carry_between_calls(scales):
+    torch.manual_seed(0)
+    layer = _ScaledLinear(3, 2)
+    layer.weight.scale = scales[0]
+    layer.bias._is_hf_initialized = True  # what a model loaded by Hugging Face carries on each parameter
+    x = data(4, 3)
+    prepared = ad.prepare(ad.gradient, mse, Active(layer), Constant(x))
+    for scale in scales:
+        layer.weight.scale = scale
+        assert_dicts_close(prepared(layer, x), raw_gradient(layer, x))
+    assert layer.weight.grad is None and layer.bias._is_hf_initialized is True
+
+
+def test_a_model_loaded_by_from_pretrained_gets_its_gradient_on_new_data(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()  # marks each parameter it loads
+
+    def loss(m, ids):
+        return m(ids, labels=ids).loss
+
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(0))
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(ids))
+    for seed in (1, 2):
+        new = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(seed))
+        assert_dicts_close(prepared(model, new), raw_gradient(model, new, loss))

@@ -32,6 +32,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import operator
 import sys
 import types
 import warnings
@@ -818,6 +819,21 @@ def _same_attributes(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return len(mine) == len(theirs) and all(mine.get(key, _MUTABLE) is value for key, value in theirs.items())
 
 
+def _all_same_attributes(tensors: tuple[Any, ...], parameters: tuple[Any, ...]) -> bool:
+    """Whether each of ``tensors`` still carries what its parameter does, as far as one comparison
+    in C tells (every parameter of a loaded Hugging Face model carries a flag, so this runs for
+    each of them on every call): dicts compare their values by identity first, and equal
+    immutable values are as good as the same. False where it cannot tell (a tensor or a list of
+    them, compared element by element): the caller then compares by identity, one by one."""
+    try:
+        return list(map(_DICT_OF, tensors)) == list(map(_DICT_OF, parameters))
+    except Exception:  # noqa: BLE001 - a value whose == is not a bool (a tensor's)
+        return False
+
+
+_DICT_OF = operator.attrgetter("__dict__")
+
+
 def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None:
     by_id = {module_id: views[step] for module_id, step in plan.step_of}
     by_id.update((tensor_id, tensors[index]) for tensor_id, index in plan.tensor_of)
@@ -912,6 +928,7 @@ class ReusedView:
         # (state, keys) of the copied modules whose plain lists and dicts a refresh copies again
         self.plain = tuple((state, step.copied) for step, (_, state, _) in zip(plan.steps, copies) if step.copied)
         self.attributed = tuple(attributed)
+        self.attributed_sides = (tuple(t for t, _ in attributed), tuple(p for _, p in attributed))
         # Where each held tensor goes: (slots dict, key, what the view put there).
         n = len(self.leaves)
         self.refills = tuple(
@@ -946,9 +963,10 @@ class ReusedView:
             self.copy_kept()
         for slots, key, tensor in self.refills:
             slots[key] = tensor  # f may have assigned another tensor to the slot
-        for tensor, parameter in self.attributed:  # as the user's parameters carry them now
-            if not _same_attributes(tensor.__dict__, parameter.__dict__):  # (a loaded Hugging Face model's flag on each)
-                _attributes_of(tensor, parameter)
+        if self.attributed and not _all_same_attributes(*self.attributed_sides):
+            for tensor, parameter in self.attributed:  # as the user's parameters carry them now
+                if not _same_attributes(tensor.__dict__, parameter.__dict__):
+                    _attributes_of(tensor, parameter)
         if self.plan.redirects:
             _redirect_all(self.plan, self.views, [*self.leaves, *self.held])
 
