@@ -23,6 +23,7 @@ from ._annotations import Annotation
 
 _MISSING: Any = object()  # an argument not given (a parameter's default)
 _MISSED: Any = object()  # the compiled call declined the arguments
+_LOCALS = frozenset(("leaves", "error"))  # the generated method's own local names
 
 
 def specialised_call(
@@ -43,7 +44,7 @@ def specialised_call(
     another shape, ``missed(self, args, kwargs)`` one that ``direct`` declined;
     ``report(self, error)`` explains an error before it propagates. None where a keyword's
     name cannot be a parameter's."""
-    if any(not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") for name in seed_names):
+    if any(not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name in _LOCALS for name in seed_names):
         return None
     positional = [f"_a{index}" for index in range(arity)]
     given = "(" + "".join(f"{name}, " for name in positional) + ")"

@@ -140,3 +140,20 @@ def test_a_torch_module_prepared_on_the_meta_device_is_served_once_its_devices_a
         for (name, _), g in zip(net.named_parameters(), want):
             torch.testing.assert_close(got[name], g, **TOL)
         assert net.weight.grad is None
+
+
+def test_a_result_of_namedtuples_nested_dicts_and_odd_keys_is_rebuilt_as_the_argument_is():
+    import collections
+
+    Pair = collections.namedtuple("Pair", ["first", "second"])
+    p = Pair({2: jnp.asarray([0.5, -1.0]), 0: jnp.asarray(0.3)}, [{(1, "k"): jnp.asarray(2.0)}, {"z": jnp.ones(2), "a": jnp.zeros(2)}])
+
+    def f(p, x):
+        return jnp.sum(p.first[2] * x) * p.first[0] + p.second[0][(1, "k")] ** 2 + jnp.sum(p.second[1]["z"] * p.second[1]["a"] + x)
+
+    x = jnp.asarray([1.0, 3.0])
+    prepared = ad.prepare(ad.gradient, f, Active(p), Constant(x))
+    got, want = prepared(p, 2 * x), jax.grad(f)(p, 2 * x)
+    assert type(got) is Pair and list(got.first) == [2, 0] and list(got.second[0]) == [(1, "k")] and list(got.second[1]) == ["z", "a"]
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # JAX's own leaf order on both
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
