@@ -435,10 +435,12 @@ class Problem:
                 asked.append(paths[index])
                 selected.append(bool(marks[index]))
         if not any(selected):
+            # an NNX module's own variable types are data, out of where='s reach: say how to reach them
+            note = adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
             raise TypeError(
                 f"{label} selects nothing to differentiate. Mark the argument Constant(...) if none of it is "
                 f"differentiated, or change where= (it is called as where(path, leaf) with paths such as "
-                f"{asked[:3]})."
+                f"{asked[:3]})." + (f" {note}" if note else "")
             )
         return tuple(selected)
 
@@ -535,7 +537,11 @@ class Problem:
         if kind == "active" and DIFF not in roles and not any(
             self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
         ):
-            raise TypeError(f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}")
+            note = adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
+            raise TypeError(
+                f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}"
+                + (f" {note}" if note else "")
+            )
         self.specs.append(spec)
         self.roles.append(tuple(roles))
         self.statics.append(tuple(statics))
