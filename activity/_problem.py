@@ -1114,6 +1114,16 @@ def _static_identity_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) ->
     ``BatchEncoding``): a new one never equals the prepared one, whatever it holds."""
     if not (expected[0] == actual[0] == "static" and type(expected[1]) is type(actual[1])):
         return ""
+    if type(actual[1]).__name__ in ("Jaxpr", "ClosedJaxpr") and type(actual[1]).__module__.startswith("jax"):
+        # eqx.filter_closure_convert keeps the traced function as a Jaxpr leaf: a new
+        # lineax.FunctionLinearOperator (or Equinox closure) traces a new one, even from the
+        # same code. Equinox's jit recompiles there too; its advice is to build it inside.
+        return (
+            " A Jaxpr (what eqx.filter_closure_convert keeps of a function: a lineax.FunctionLinearOperator, "
+            "an Equinox closure) is made anew for each new object, even from the same code, and compares by "
+            "identity: build that object inside f from the arrays it closes over, passed as Constant (or "
+            "Active), or pass the same object to every call."
+        )
     if getattr(type(actual[1]), "__eq__") is not getattr(object, "__eq__"):
         return ""
     return (

@@ -10,7 +10,9 @@ optax MAML step (gradient and third-order hvp through an SGD-with-momentum step,
 optimiser state to a prepared call) and an
 ``inject_hyperparams`` learning-rate hypergradient; ``jax.custom_vjp`` under hvp and
 pushforward, ``lax.while_loop`` under pushforward and gradient; ``float0`` leaves (from
-``jax.grad(..., allow_int=True)``) in an Active pytree and a tangent.
+``jax.grad(..., allow_int=True)``) in an Active pytree and a tangent; a lineax
+``FunctionLinearOperator`` as Active, and a new one to a prepared call (a new Jaxpr: the
+mismatch now says so and how to pass a new operator).
 
 Expected values come from ``nnx.grad``, ``eqx.filter_grad`` / ``eqx.filter_jvp`` and
 ``jax.grad`` / ``jax.jvp`` written out here, never from ``activity``; the user's objects
@@ -366,6 +368,36 @@ def test_optax_inject_hyperparams_state_as_active_gives_the_learning_rate_hyperg
     expected = jax.grad(lambda rate: inner(by_rate(rate), x, y))(jnp.asarray(0.1))
     assert got.count is None  # the step count, an int, is data
     np.testing.assert_allclose(got.hyperparams["learning_rate"], expected, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ lineax
+
+
+def test_lineax_function_operator_as_active_and_a_new_one_to_a_prepared_call_is_explained():
+    # A new FunctionLinearOperator holds a new Jaxpr (eqx.filter_closure_convert), which
+    # compares by identity: the mismatch said "pass only the arrays f needs (for a tokenizer's
+    # BatchEncoding ...)", nothing of the operator or of how to pass a new one.
+    import equinox as eqx
+    import lineax as lx
+
+    def operator(a):
+        return lx.FunctionLinearOperator(lambda v: a @ v, jax.ShapeDtypeStruct((2,), jnp.float32), tags=lx.positive_semidefinite_tag)
+
+    def solve(op, b):
+        return jnp.sum(lx.linear_solve(op, b, lx.CG(rtol=1e-6, atol=1e-6)).value ** 2)
+
+    a, b = jnp.array([[3.0, 1.0], [1.0, 2.0]]), jnp.array([1.0, 2.0])
+    op = operator(a)
+    check = untouched(Active(op), Constant(b))
+    assert_trees(ad.gradient(solve, Active(op), Constant(b)), eqx.filter_grad(solve)(op, b), rtol=1e-5, atol=1e-6)
+    prepared = ad.prepare(ad.gradient, lambda b, op: solve(op, b), Active(b), Constant(op))
+    assert_trees(prepared(b, op), jax.grad(lambda b: solve(op, b))(b), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ad.PreparationMismatchError, match=r"(?s)\.fn\.jaxpr.*lineax\.FunctionLinearOperator.*build that object inside f"):
+        prepared(b, operator(2 * a))
+    # the recipe: the operator built inside f from its matrix, passed as a Constant
+    inside = ad.prepare(ad.gradient, lambda b, a: solve(operator(a), b), Active(b), Constant(a))
+    assert_trees(inside(b, 2 * a), jax.grad(lambda b: solve(operator(2 * a), b))(b), rtol=1e-5, atol=1e-6)
+    assert check()
 
 
 # ------------------------------------------------------------------ custom rules and loops
