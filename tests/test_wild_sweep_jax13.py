@@ -5,7 +5,8 @@ passed to f as a Constant, a variable type of the user's own (``class Lora(nnx.V
 data by NNX's convention; the refusal now names it and says how to differentiate it);
 Linen ``batch_stats`` as a Constant and as an Active with a dropout key; Equinox bound
 methods as fields, ``eqx.nn.Lambda`` of a ``jax.tree_util.Partial`` holding an array,
-``MultiheadAttention`` with a dropout key, BatchNorm state as Constant and as Cache; an
+``MultiheadAttention`` with a dropout key, BatchNorm state as Constant and as Cache, a
+``StateIndex`` state still usable after the calls (``eqx.filter_grad`` leaves it used); an
 optax MAML step (gradient and third-order hvp through an SGD-with-momentum step, new
 optimiser state to a prepared call) and an
 ``inject_hyperparams`` learning-rate hypergradient; ``jax.custom_vjp`` under hvp and
@@ -37,7 +38,14 @@ dict, its hvp; Equinox ``__check_init__`` and ``eqx.field(converter=...)`` modul
 hessian), ``filter_vmap`` ensembles, a static numpy / JAX array field (a prepared call with a
 new one is a mismatch naming it; lenient preparation re-prepares, right); optax's L-BFGS
 with its zoom line search inside f (a while loop: the note points to forward mode); the MAML
-step through two Adam steps (right, but seconds of compile).
+step through two Adam steps (right, but seconds of compile); ``jax.checkpoint`` with the
+``dots_saveable``, ``save_only_these_names`` (``checkpoint_name``) and ``nothing_saveable``
+policies (gradient, prepared hvp); ``jax.nn.dot_product_attention`` and ``eigh`` hessians,
+``associative_scan`` hvp, ``lax.cond`` / ``lax.switch`` on a Constant flag or index in a
+prepared call; an NNX ``MultiHeadAttention`` in decode mode (its cache is data: the user's
+cache index does not advance; prepared after the user's own step, saliency, two steps in f,
+hvp); a BCOO matrix as Active (its ``indices`` get ``None``, as the design says of int
+leaves, where ``sparse.grad`` keeps them; the values agree).
 """
 
 from __future__ import annotations
@@ -311,6 +319,41 @@ def test_equinox_attention_with_a_dropout_key_and_batchnorm_state():
     _, expected = eqx.filter_jit(eqx.filter_jvp)(lambda n: eqx.filter_grad(lambda n: loss(n, state, x)[0])(n), (net,), (tangent,))
     assert_trees(ad.hvp(lambda n, s, x: loss(n, s, x)[0], Active(net), Constant(state), Constant(x), tangent=tangent), expected, rtol=2e-5, atol=2e-5)
     assert check()
+
+
+def test_equinox_state_index_state_stays_usable_after_the_calls():
+    # f calls state.set, which marks the State it was called on as used: eqx.filter_grad(f)(m,
+    # state, x) leaves the user's State unusable ("Attempted to use old state"); activity hands
+    # f a copy, so the user's State still works.
+    import equinox as eqx
+
+    class Accumulate(eqx.Module):
+        index: eqx.nn.StateIndex
+        w: jax.Array
+
+        def __init__(self):
+            self.index, self.w = eqx.nn.StateIndex(jnp.zeros(3)), jnp.ones(3)
+
+        def __call__(self, x, state):
+            new = state.get(self.index) + self.w * x
+            return jnp.sum(new**2), state.set(self.index, new)
+
+    def loss(m, state, x):
+        return m(x, state)
+
+    def copy(state):
+        return jax.tree_util.tree_unflatten(*reversed(jax.tree_util.tree_flatten(state)))
+
+    model, state = eqx.nn.make_with_state(Accumulate)()
+    x = normal(19, 3)
+    grads, new = eqx.filter_grad(loss, has_aux=True)(model, copy(state), x)
+    got, aux = ad.gradient(loss, Active(model), Constant(state), Constant(x), has_aux=True)
+    assert_trees(got, grads)
+    assert_trees(aux, new)
+    prepared = ad.prepare(ad.gradient, loss, Active(model), Constant(state), Constant(x), has_aux=True)
+    assert_trees(prepared(model, state, x)[0], grads)
+    _, state1 = model(x, state)  # the user's State is still usable
+    assert_trees(prepared(model, state1, x)[0], eqx.filter_grad(loss, has_aux=True)(model, copy(state1), x)[0])
 
 
 # ------------------------------------------------------------------ optax inside f
