@@ -13,7 +13,8 @@ optimiser state to a prepared call) and an
 pushforward, ``lax.while_loop`` under pushforward and gradient; ``float0`` leaves (from
 ``jax.grad(..., allow_int=True)``) in an Active pytree and a tangent; a lineax
 ``FunctionLinearOperator`` as Active, and a new one to a prepared call (a new Jaxpr: the
-mismatch now says so and how to pass a new operator).
+mismatch now says so and how to pass a new operator); the testing kit's
+``test_differentiation`` on a scenario holding a typed PRNG key (it crashed snapshotting it).
 
 Expected values come from ``nnx.grad``, ``eqx.filter_grad`` / ``eqx.filter_jvp`` and
 ``jax.grad`` / ``jax.jvp`` written out here, never from ``activity``; the user's objects
@@ -45,7 +46,10 @@ policies (gradient, prepared hvp); ``jax.nn.dot_product_attention`` and ``eigh``
 prepared call; an NNX ``MultiHeadAttention`` in decode mode (its cache is data: the user's
 cache index does not advance; prepared after the user's own step, saliency, two steps in f,
 hvp); a BCOO matrix as Active (its ``indices`` get ``None``, as the design says of int
-leaves, where ``sparse.grad`` keeps them; the values agree).
+leaves, where ``sparse.grad`` keeps them; the values agree); a dense diffrax ``Solution`` as
+a prepared Constant; ``optx.fixed_point`` (gradient, hvp, pushforward); a diffrax SDE whose
+``VirtualBrownianTree`` is a Constant, prepared and given a new key (10 s of compile, not
+kept: its snapshot for ``untouched`` crashed on the tree's typed key, fixed in the kit).
 """
 
 from __future__ import annotations
@@ -441,6 +445,20 @@ def test_lineax_function_operator_as_active_and_a_new_one_to_a_prepared_call_is_
     inside = ad.prepare(ad.gradient, lambda b, a: solve(operator(a), b), Active(b), Constant(a))
     assert_trees(inside(b, 2 * a), jax.grad(lambda b: solve(operator(2 * a), b))(b), rtol=1e-5, atol=1e-6)
     assert check()
+
+
+def test_the_testing_kit_takes_a_scenario_whose_constant_is_a_typed_prng_key():
+    # Its snapshot of the arguments (to check them unchanged) called np.array on the key,
+    # which JAX refuses: the run crashed with a TypeError before any call.
+    from activity.testing import Scenario, test_differentiation
+
+    def noisy(x, key):
+        return jnp.sum(x * jax.random.normal(key, (3,)))
+
+    key, x = jax.random.key(0), normal(20, 3)
+    expected = jax.grad(noisy)(x, key)
+    report = test_differentiation([ad.AutoJAX()], [Scenario("gradient", noisy, (Active(x), Constant(key)), result=expected)])
+    assert "1 passed, 0 failed" in str(report)
 
 
 # ------------------------------------------------------------------ custom rules and loops
