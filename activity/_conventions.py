@@ -50,6 +50,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from ._arrays import dtype_kind
 from ._tree import flatten, leaf_paths, unflatten
 
 
@@ -100,6 +101,9 @@ class NNXModule:
     def describe(self, module: Any) -> str:
         return f"a Flax NNX {type(module).__name__}"
 
+    def data_note(self, rest: Any) -> str | None:
+        return _nnx_data_note(rest)
+
     def difference(self, graphdef: Any, module: Any) -> str | None:
         """The first static attribute where ``module`` differs from the module ``graphdef`` was
         split from (``Dropout.deterministic`` after ``model.eval()``), or None where that is not
@@ -118,6 +122,35 @@ class NNXModule:
         except Exception:  # noqa: BLE001 - a graph merge cannot rebuild, or == that is no bool: no detail
             return None
         return None
+
+
+def _nnx_data_note(rest: Any) -> str | None:
+    """Say, where an Active NNX module has nothing (or nothing selected) to differentiate, which
+    of its floating variables are data by NNX's convention and how to differentiate them: a
+    variable type of the user's own (``class Lora(nnx.Variable)``), or a plain ``nnx.Variable``,
+    is what ``nnx.grad(..., argnums=nnx.DiffState(0, Lora))`` reaches and ``Active`` does not,
+    while ``where=`` is offered the ``nnx.Param`` paths only. Flax's own state types (batch
+    statistics, RNG state, caches) are left out: those are data by intent."""
+    jax, nnx = sys.modules["jax"], sys.modules["flax.nnx"]
+    found = []
+    for path, variable in jax.tree_util.tree_leaves_with_path(rest, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        if not isinstance(variable, nnx.Variable) or isinstance(variable, nnx.Param):
+            continue
+        if type(variable) is not nnx.Variable and type(variable).__module__.startswith("flax."):
+            continue
+        if any(dtype_kind(leaf) == "f" for leaf in jax.tree_util.tree_leaves(variable.get_value())):
+            found.append((jax.tree_util.keystr(path), type(variable).__name__))
+    if not found:
+        return None
+    named = ", ".join(f"a {kind} at {path}" for path, kind in found[:3]) + (", ..." if len(found) > 3 else "")
+    kind = found[0][1]
+    return (
+        f"A Flax NNX module is differentiated in its nnx.Param variables, as nnx.grad is by default, and "
+        f"where= chooses among those; its other variables are data: {named}. To differentiate a {kind}, "
+        f"make its class a subclass of nnx.Param, or split the module before the call (graphdef, chosen, "
+        f"rest = nnx.split(model, {kind}, ...)), pass Active(chosen), Constant(rest), Constant(graphdef) "
+        f"and rebuild it in f with nnx.merge(graphdef, chosen, rest)."
+    )
 
 
 _MISSING = object()
@@ -186,6 +219,9 @@ class NNXModulesInPytree:
 
     def describe(self, value: Any) -> str:
         return f"a {type(value).__name__} holding Flax NNX modules"
+
+    def data_note(self, rest: Any) -> str | None:
+        return _nnx_data_note(rest)
 
 
 @attrs.frozen

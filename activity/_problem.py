@@ -435,10 +435,12 @@ class Problem:
                 asked.append(paths[index])
                 selected.append(bool(marks[index]))
         if not any(selected):
+            # an NNX module's own variable types are data, out of where='s reach: say how to reach them
+            note = adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
             raise TypeError(
                 f"{label} selects nothing to differentiate. Mark the argument Constant(...) if none of it is "
                 f"differentiated, or change where= (it is called as where(path, leaf) with paths such as "
-                f"{asked[:3]})."
+                f"{asked[:3]})." + (f" {note}" if note else "")
             )
         return tuple(selected)
 
@@ -535,7 +537,11 @@ class Problem:
         if kind == "active" and DIFF not in roles and not any(
             self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
         ):
-            raise TypeError(f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}")
+            note = adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
+            raise TypeError(
+                f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}"
+                + (f" {note}" if note else "")
+            )
         self.specs.append(spec)
         self.roles.append(tuple(roles))
         self.statics.append(tuple(statics))
@@ -1108,6 +1114,16 @@ def _static_identity_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) ->
     ``BatchEncoding``): a new one never equals the prepared one, whatever it holds."""
     if not (expected[0] == actual[0] == "static" and type(expected[1]) is type(actual[1])):
         return ""
+    if type(actual[1]).__name__ in ("Jaxpr", "ClosedJaxpr") and type(actual[1]).__module__.startswith("jax"):
+        # eqx.filter_closure_convert keeps the traced function as a Jaxpr leaf: a new
+        # lineax.FunctionLinearOperator (or Equinox closure) traces a new one, even from the
+        # same code. Equinox's jit recompiles there too; its advice is to build it inside.
+        return (
+            " A Jaxpr (what eqx.filter_closure_convert keeps of a function: a lineax.FunctionLinearOperator, "
+            "an Equinox closure) is made anew for each new object, even from the same code, and compares by "
+            "identity: build that object inside f from the arrays it closes over, passed as Constant (or "
+            "Active), or pass the same object to every call."
+        )
     if getattr(type(actual[1]), "__eq__") is not getattr(object, "__eq__"):
         return ""
     return (

@@ -24,8 +24,22 @@ def _copy(leaf: Any) -> Any:
             [tuple(len(getattr(m, name, ())) for name in _HOOKS) for m in leaf.modules()],
         )
     if arrays.is_array(leaf):
+        key = _key_data(leaf)
+        if key is not None:
+            return ("key", str(leaf.dtype), key)  # the implementation too: other bits of another kind differ
         return ("array", np.array(leaf, copy=True))
     return ("other", leaf)
+
+
+def _key_data(leaf: Any) -> Any:
+    """A JAX typed PRNG key's raw data (``jax.random.key``: a dropout key, a diffrax
+    Brownian tree's), or None for any other array: numpy cannot hold a key
+    (``np.array(key)`` raises), so the snapshot of a scenario that passes one crashed
+    before its call."""
+    jax = sys.modules.get("jax")
+    if jax is None or arrays.framework(leaf) != "jax" or not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return None
+    return np.array(jax.random.key_data(leaf), copy=True)
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -49,6 +63,8 @@ def _same(before: Any, leaf: Any) -> bool:
         return False
     if kind == "array":
         return before[1].dtype == now[1].dtype and np.array_equal(before[1], now[1], equal_nan=True)
+    if kind == "key":
+        return before[1] == now[1] and np.array_equal(before[2], now[2])
     if kind == "tensor":
         same_grad = (before[3] is None and now[3] is None) or (
             before[3] is not None and now[3] is not None and _equal(before[3], now[3])
