@@ -12,7 +12,8 @@ are checked unchanged.
 
 Fixed here: the parameters behind a reversible layer got a silent zero gradient (their part went
 to the tape leaves' ``.grad``, which nothing read), and with the model a Constant that part went
-into the user's own parameters' ``.grad``. Second order through such a backward is a clear error.
+into the user's own parameters' ``.grad``. Pushforward (on the tape) and Jacobians take that part
+too; second order through such a backward is a clear error.
 
 Also tried and fine, not kept: Hugging Face BigBird with block-sparse attention in train mode
 (numpy draws advance like an eager forward), the WGAN-GP loss's pushforward in the real samples,
@@ -85,6 +86,10 @@ def _seeded(build):
         return build()
 
 
+def _block_outputs(m, x):
+    return _Reversible.apply(m.inp(x), m.block)
+
+
 def test_parameters_behind_a_backward_that_runs_its_own_backward_pass_get_their_gradient():
     """The block's parameters got zeros (wrong by 100%), unprepared and prepared; their part is
     the tape leaves' ``.grad``, which a reused view's leaves must not carry into the next call."""
@@ -97,6 +102,17 @@ def test_parameters_behind_a_backward_that_runs_its_own_backward_pass_get_their_
     value, grad = ad.value_and_gradient(_call, Active(net), Constant(y))
     torch.testing.assert_close(value, copy.deepcopy(net)(y).detach())
     assert_close_dicts(grad, _backward_gradient(_call, net, y), **CLOSE)
+    # forward mode on the tape and a Jacobian's batched pullbacks take the same part
+    tangent = {n: randn(*p.shape, seed=10 + i) for i, (n, p) in enumerate(net.named_parameters())}
+    want = _backward_gradient(_call, net, x)
+    pushed = ad.pushforward(_call, Active(net), Constant(x), tangent=tangent)
+    torch.testing.assert_close(pushed, sum((want[n] * tangent[n]).sum() for n in want), **CLOSE)
+    rows, outputs = ad.jacobian(_block_outputs, Active(net), Constant(x)), randn(5, 4, seed=3)
+    twin = copy.deepcopy(net)
+    _block_outputs(twin, x).backward(outputs)
+    for n, p in twin.named_parameters():
+        expected = torch.zeros_like(p) if p.grad is None else p.grad  # (out.* unused)
+        torch.testing.assert_close(torch.tensordot(outputs, rows[n], dims=2), expected, msg=n, **CLOSE)
     assert intact()
 
 
