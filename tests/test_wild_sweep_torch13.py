@@ -11,8 +11,8 @@ gradients live only in ``.grad``: ``torch.autograd.grad`` itself misses them) or
 are checked unchanged.
 
 Fixed here: the parameters behind a reversible layer got a silent zero gradient (their part went
-to the tape leaves' ``.grad``, which nothing read), and with the model a Constant that part went
-into the user's own parameters' ``.grad``. Pushforward (on the tape) and Jacobians take that part
+to the tape leaves' ``.grad``, which nothing read), and with the model a Constant (or the parameters
+an ``Active(model, where=...)`` leaves out) that part went into the user's own parameters' ``.grad``. Pushforward (on the tape) and Jacobians take that part
 too; second order through such a backward is a clear error.
 
 Also tried and fine, not kept: Hugging Face BigBird with block-sparse attention in train mode
@@ -117,8 +117,8 @@ def test_parameters_behind_a_backward_that_runs_its_own_backward_pass_get_their_
 
 
 def test_a_constant_model_behind_such_a_backward_keeps_its_grad_and_second_order_is_an_error():
-    """With the model a Constant, the backward inside the backward accumulated into the user's own
-    parameters' ``.grad``; an hvp through it would leave that part out: a clear error."""
+    """With the model a Constant (or the block left out by ``where``), the backward inside the
+    backward accumulated into the user's own parameters' ``.grad``; an hvp through it would leave that part out: a clear error."""
     net, x = _seeded(_ReversibleNet), randn(5, 3, seed=1)
     intact = untouched(Constant(net), Active(x))
     xx = x.clone().requires_grad_()
@@ -126,6 +126,13 @@ def test_a_constant_model_behind_such_a_backward_keeps_its_grad_and_second_order
     torch.testing.assert_close(ad.gradient(_call, Constant(net), Active(x)), xx.grad, **CLOSE)
     prepared = ad.prepare(ad.gradient, _call, Constant(net), Active(x))
     torch.testing.assert_close(prepared(net, x), xx.grad, **CLOSE)
+    # the block left out by `where`: differentiated nowhere, its .grad the user's
+    outside = lambda path, leaf: not path.startswith("block.")  # noqa: E731
+    want = {n: g for n, g in _backward_gradient(_call, net, x).items() if outside(n, None)}
+    assert_close_dicts(ad.gradient(_call, Active(net, where=outside), Constant(x)), want, **CLOSE)
+    masked = ad.prepare(ad.gradient, _call, Active(net, where=outside), Constant(x))
+    assert_close_dicts(masked(net, x), want, **CLOSE)
+    assert_close_dicts(masked(net, x), want, **CLOSE)
     assert all(p.grad is None for p in net.parameters())
     assert intact()
     tangent = {n: torch.ones_like(p) for n, p in net.named_parameters()}

@@ -265,10 +265,11 @@ class AutoTorch(Backend):
         # A Constant module's view holds aliases of its parameters that require grad (the same
         # storage and flag), never the user's own: a backward pass f runs inside the backward
         # (Hugging Face Reformer's reversible layers in train mode) accumulated into the user's
-        # ``.grad`` otherwise. (An Active module's own leaves are `fresh_leaf`s, see `_folded`.)
+        # ``.grad`` otherwise; so does an Active module's view for a parameter ``where=`` leaves out
+        # (its differentiated leaves are `fresh_leaf`s, see `_folded`).
         if _inside_functorch():
             return bound_view(module, params, _alias_for_view)
-        return bound_view(module, params, _copy_for_view if params is not None else _constant_for_view)
+        return bound_view(module, params, _constant_for_view)
 
     # -- execution ------------------------------------------------------------
 
@@ -533,9 +534,10 @@ def _alias_for_view(t: Any) -> Any:
 
 
 def _constant_for_view(t: Any) -> Any:
-    """`_copy_for_view` for a Constant module's view: a parameter that requires grad as an alias
-    (see `AutoTorch.bind_module`)."""
-    if t.requires_grad and type(t) is _torch().nn.Parameter:
+    """`_copy_for_view` for a tensor a view does not differentiate (a Constant module's, or one an
+    ``Active(model, where=...)`` leaves out): a parameter that requires grad as an alias (see
+    `AutoTorch.bind_module`)."""
+    if t.requires_grad and type(t) is _torch().nn.Parameter and not t.is_inference():
         return _torch().nn.Parameter(t.detach())
     return _copy_for_view(t)
 
@@ -999,7 +1001,7 @@ class _FastSplit:
                     continue
                 if description.has_inference:  # its tensors are cloned for the tape: nothing to alias
                     own = tuple(map(_tape_leaf, description.params))
-                    args.append(bound_view(description, list(own), _copy_for_view))
+                    args.append(bound_view(description, list(own), _constant_for_view))
                 else:
                     lease = lease_view(description, _copy_for_view)
                     leases.append((description, lease))
