@@ -11,9 +11,10 @@ gradients live only in ``.grad``: ``torch.autograd.grad`` itself misses them) or
 are checked unchanged.
 
 Fixed here: the parameters behind a reversible layer got a silent zero gradient (their part went
-to the tape leaves' ``.grad``, which nothing read), and with the model a Constant (or the parameters
-an ``Active(model, where=...)`` leaves out) that part went into the user's own parameters' ``.grad``. Pushforward (on the tape) and Jacobians take that part
-too; second order through such a backward is a clear error.
+to the tape leaves' ``.grad``, which nothing read), and with the model a Constant (or the
+parameters an ``Active(model, where=...)`` leaves out) that part went into the user's own
+parameters' ``.grad``. Pushforward (on the tape) and Jacobians take that part too; second order
+through such a backward is a clear error.
 
 Also tried and fine, not kept: Hugging Face BigBird with block-sparse attention in train mode
 (numpy draws advance like an eager forward), the WGAN-GP loss's pushforward in the real samples,
