@@ -104,6 +104,44 @@ _ONCE_DIFFERENTIABLE = (
 )
 
 
+_ACCUMULATED_SECOND_ORDER = (
+    "activity (AutoTorch): a backward in f runs a backward pass of its own (torch.autograd.backward inside a "
+    "custom autograd.Function's backward, as Hugging Face Reformer's reversible layers in train mode do), "
+    "which accumulates its part of the gradient into the parameters' .grad without a graph: torch cannot "
+    "take a second-order derivative through it. Take gradient, pullback or value_and_gradient of f; for hvp, "
+    "hessian or second_derivative, f must compute that part without such a backward (Reformer: a model whose "
+    "layers are not reversible)."
+)
+
+
+def _folded(grads: Flat, leaves: Flat, create_graph: bool = False) -> Flat:
+    """``grads`` of the tape ``leaves`` plus what a backward pass f runs inside the backward pass
+    accumulated into the leaves' ``.grad``: a custom autograd.Function whose backward recomputes its
+    part and calls ``torch.autograd.backward`` (Hugging Face Reformer's reversible layers in train
+    mode; the user's training loop, ``loss.backward()``, sums both in ``.grad``). Left out, those
+    parameters silently got a zero gradient. The leaves are this call's own, so their ``.grad`` is
+    cleared (a reused view's leaves serve the next call). With ``create_graph`` (a first pass of
+    second order) such a part has no graph: an error, never a second derivative without it."""
+    for leaf in leaves:  # the usual case, no .grad anywhere, in one pass
+        if leaf.grad is not None:
+            break
+    else:
+        return grads
+    folded = []
+    for g, leaf in zip(grads, leaves):
+        extra = leaf.grad
+        if extra is None:
+            folded.append(g)
+            continue
+        leaf.grad = None
+        if create_graph and not extra.requires_grad:
+            for other in leaves:
+                other.grad = None
+            raise RuntimeError(_ACCUMULATED_SECOND_ORDER)
+        folded.append(extra if g is None else g + extra)
+    return tuple(folded)
+
+
 class _CutGradient(RuntimeError):
     """A gradient taken with ``create_graph`` came back without a graph for a leaf: f is linear
     in it (its derivative is zero), or a backward in f is not differentiable itself
@@ -224,7 +262,14 @@ class AutoTorch(Backend):
         # A Constant module without buffers gets a view too: what f sets on its submodules (a
         # torchmetrics Metric's states and update count, a counter of calls) must not reach the
         # user's module, and a view costs a dict copy per submodule, not a tensor copy.
-        return bound_view(module, params, _alias_for_view if _inside_functorch() else _copy_for_view)
+        # A Constant module's view holds aliases of its parameters that require grad (the same
+        # storage and flag), never the user's own: a backward pass f runs inside the backward
+        # (Hugging Face Reformer's reversible layers in train mode) accumulated into the user's
+        # ``.grad`` otherwise; so does an Active module's view for a parameter ``where=`` leaves out
+        # (its differentiated leaves are `fresh_leaf`s, see `_folded`).
+        if _inside_functorch():
+            return bound_view(module, params, _alias_for_view)
+        return bound_view(module, params, _constant_for_view)
 
     # -- execution ------------------------------------------------------------
 
@@ -336,6 +381,8 @@ class AutoTorch(Backend):
             grads = _torch().autograd.grad(
                 outputs, leaves, [cts[i] for i in connected], retain_graph=True, create_graph=outer, allow_unused=True
             )
+            if not outer:  # (views of the outer pass's tensors, not leaves: what f accumulates goes to those)
+                grads = _folded(grads, leaves)
             return _zeros_for_unused(grads, xs, getattr(F, "op_name", None), cut_is_an_error(F))
 
         def pull(cts: Flat, batched: bool) -> Flat:
@@ -483,6 +530,15 @@ def _alias_for_view(t: Any) -> Any:
     torch refuses that write with an error, and an hvp falls back to the double backward."""
     if type(t) is _torch().nn.Parameter and not t.is_inference():
         return _torch().nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    return _copy_for_view(t)
+
+
+def _constant_for_view(t: Any) -> Any:
+    """`_copy_for_view` for a tensor a view does not differentiate (a Constant module's, or one an
+    ``Active(model, where=...)`` leaves out): a parameter that requires grad as an alias (see
+    `AutoTorch.bind_module`)."""
+    if t.requires_grad and type(t) is _torch().nn.Parameter and not t.is_inference():
+        return _torch().nn.Parameter(t.detach())
     return _copy_for_view(t)
 
 
@@ -945,7 +1001,7 @@ class _FastSplit:
                     continue
                 if description.has_inference:  # its tensors are cloned for the tape: nothing to alias
                     own = tuple(map(_tape_leaf, description.params))
-                    args.append(bound_view(description, list(own), _copy_for_view))
+                    args.append(bound_view(description, list(own), _constant_for_view))
                 else:
                     lease = lease_view(description, _copy_for_view)
                     leases.append((description, lease))
@@ -1039,14 +1095,14 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
             out = call(f, args)
             if loss_guard is not None and loss_guard.check(out):  # a plain 0-d floating tensor on the tape, as before
                 y, spec = out, None
-                grads = _zeros_for_unused(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), xs, op_name)
+                grads = _zeros_for_unused(_folded(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), leaves), xs, op_name)
             else:
                 y, spec = _scalar_output(problem, out, tensor_type)
                 if type(y) is tensor_type and engine is not None and y.requires_grad:
                     # `_tape_grads` inlined for the usual scalar loss (a plain tensor): about 1 us a call
                     if y is out and loss_guard is None:
                         loss_guard = tensor_guard([y])
-                    grads = _zeros_for_unused(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), xs, op_name)
+                    grads = _zeros_for_unused(_folded(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), leaves), xs, op_name)
                 else:
                     grads = _tape_grads(y, leaves, xs, op_name)
         finally:
@@ -1209,7 +1265,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
                     if None not in made:
                         guards[:] = made
                 if engine is not None:
-                    grads = _zeros_for_unused(engine.run_backward(ys, cts, False, False, leaves, True, False), xs, op_name)
+                    grads = _zeros_for_unused(_folded(engine.run_backward(ys, cts, False, False, leaves, True, False), leaves), xs, op_name)
             else:
                 if seeds is None:
                     seeds = Seeds(cts_given, None, LEAF)
@@ -1451,14 +1507,12 @@ def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool 
     engine = _engine()
     tensor = torch.Tensor
     if engine is not None and (type(outputs[0]) is tensor if len(outputs) == 1 else all(type(y) is tensor for y in outputs)):
-        return engine.run_backward(  # type: ignore[no-any-return]
-            outputs, cotangents, retain_graph or create_graph, create_graph, leaves, True, False
-        )
-    return tuple(
-        torch.autograd.grad(
+        grads = engine.run_backward(outputs, cotangents, retain_graph or create_graph, create_graph, leaves, True, False)
+    else:
+        grads = torch.autograd.grad(
             outputs, leaves, cotangents, retain_graph=retain_graph or create_graph, create_graph=create_graph, allow_unused=True
         )
-    )
+    return _folded(tuple(grads), leaves, create_graph)
 
 
 @functools.cache

@@ -864,6 +864,16 @@ def _parameter_slot(tensor: Any, original: Any) -> Any:
     return torch.nn.Parameter(tensor, requires_grad=False)
 
 
+def _differentiable_parameter(t: Any) -> bool:
+    """A parameter that requires grad, held by a view it is no leaf of (see `ReusedView`)."""
+    kind: Any = type(t)  # (compared as Any: mypy would narrow ``t`` to ``object``)
+    return kind is _parameter_type() and bool(t.requires_grad) and not t.is_inference()
+
+
+def _alias(t: Any) -> Any:
+    return _parameter_type()(t.detach(), requires_grad=True)
+
+
 def fresh_leaf(tensor: Any) -> Any:
     """A new tape leaf with ``tensor``'s storage (``detach()``: in-place changes are seen) and,
     for an ``nn.Parameter``, itself a Parameter: f's code may ask (``module.get_parameter``
@@ -911,12 +921,19 @@ class ReusedView:
 
     def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any]) -> None:
         self.plan = plan = _plan_of(module, True)
-        self.params = tuple(module.params)
         self.leaves = tuple(map(fresh_leaf, module.params))
-        self.pointers = tuple(map(_data_ptr(), module.params))
         # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
-        self.held = [convert(t) for t in plan.sources]
-        self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t)
+        # A parameter that requires grad but is not differentiated (``Active(model, where=...)``
+        # leaves it out) is held as an alias made once, the same storage and flag: a backward pass f
+        # runs inside the backward (Reformer's reversible layers) accumulated into the user's ``.grad``.
+        self.held = [_alias(t) if _differentiable_parameter(t) else convert(t) for t in plan.sources]
+        aliased = tuple(t for t in plan.sources if _differentiable_parameter(t))
+        # the storage each leaf and alias shares (`lease_view` builds anew where ``p.data = ...`` changed it)
+        self.params = (*module.params, *aliased)
+        self.pointers = tuple(map(_data_ptr(), self.params))
+        self.kept = tuple(
+            i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t and not _differentiable_parameter(t)
+        )
         self.copy_kept = _copier([self.held[i] for i in self.kept], [plan.sources[i] for i in self.kept]) if self.kept else None
         # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
         self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
