@@ -622,3 +622,27 @@ def test_a_model_loaded_by_from_pretrained_gets_its_gradient_on_new_data(tmp_pat
     for seed in (1, 2):
         new = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(seed))
         assert_dicts_close(prepared(model, new), raw_gradient(model, new, loss))
+
+
+def test_a_prepared_call_with_a_constant_module_follows_the_module_between_calls():
+    model, x = mlp(), data(5, 4)
+    seen = []
+
+    def f(x, m):
+        seen.append(getattr(m[0], "calls", 0))
+        m[0].calls = getattr(m[0], "calls", 0) + 1  # f's own attribute: neither the user's nor the next call's
+        return mse(m, x)
+
+    def expected(x):
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(mse(model, x), [x])[0]
+
+    prepared = ad.prepare(ad.gradient, f, Active(x), Constant(model))
+    torch.testing.assert_close(prepared(x, model), expected(x), **TOL)
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # in place
+    torch.testing.assert_close(prepared(x, model), expected(x), **TOL)
+    model[2].weight.data = torch.randn(1, 4)  # new storage
+    torch.testing.assert_close(prepared(x, model), expected(x), **TOL)
+    assert seen == [0, 0, 0] and not hasattr(model[0], "calls")
+    assert all(p.grad is None for p in model.parameters())

@@ -997,7 +997,11 @@ class _FastSplit:
             if role == "module":
                 description = checked
                 if not active:
-                    args.append(problem.backend.bind_module(description, None))
+                    # A view kept between calls, as an Active module's: building one, and the
+                    # aliases of its parameters (see `bind_module`), costs more than a small model's call.
+                    lease = lease_view(description, _copy_for_view, active=False)
+                    leases.append((description, lease))
+                    args.append(lease.root)
                     continue
                 if description.has_inference:  # its tensors are cloned for the tape: nothing to alias
                     own = tuple(map(_tape_leaf, description.params))

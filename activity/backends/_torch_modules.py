@@ -98,6 +98,7 @@ class ModuleDescription:
     plans: dict[Any, Any] = attrs.field(factory=dict)  # Active (False) / Constant (True) -> its _ViewPlan, made once
     narrowed: dict[tuple[str, ...], Any] = attrs.field(factory=dict)  # selected names -> the description `selecting` them
     reused: list[Any] = attrs.field(factory=list)  # idle `ReusedView`s of this description (see `lease_view`)
+    reused_constant: list[Any] = attrs.field(factory=list)  # ... and of it as a Constant module
 
     @property
     def module(self) -> Any:
@@ -114,7 +115,7 @@ class ModuleDescription:
             keep = set(names)
             pairs = [(name, p) for name, p in zip(self.names, self.params) if name in keep]
             found = attrs.evolve(
-                self, names=[n for n, _ in pairs], params=[p for _, p in pairs], plans={}, narrowed={}, reused=[]
+                self, names=[n for n, _ in pairs], params=[p for _, p in pairs], plans={}, narrowed={}, reused=[], reused_constant=[]
             )
             self.narrowed[tuple(names)] = found
         return found
@@ -904,10 +905,11 @@ def _copier(targets: list[Any], sources: list[Any]) -> Callable[[], Any]:
 
 
 class ReusedView:
-    """A view of an Active module built once and re-pointed on every call, with tape leaves
-    made once that alias the trainable parameters (``detach()``: the same storage, so
-    in-place updates between calls are seen; fresh tensors, so no other use of a parameter
-    is differentiated with them).
+    """A view of a module built once and re-pointed on every call. Of an Active module
+    (``active``), with tape leaves made once that alias the trainable parameters (``detach()``:
+    the same storage, so in-place updates between calls are seen; fresh tensors, so no other
+    use of a parameter is differentiated with them); of a Constant module, with no leaves, its
+    parameters held as aliases as the ones ``where=`` leaves out are.
 
     Building a view and fresh leaves costs more than the forward and backward passes of a
     small model; re-pointing is two dict updates per copied submodule. A lease
@@ -919,9 +921,10 @@ class ReusedView:
     Only for descriptions `still_describes` has just checked.
     """
 
-    def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any]) -> None:
-        self.plan = plan = _plan_of(module, True)
-        self.leaves = tuple(map(fresh_leaf, module.params))
+    def __init__(self, module: ModuleDescription, convert: Callable[[Any], Any], active: bool = True) -> None:
+        self.plan = plan = _plan_of(module, active)
+        self.active = active
+        self.leaves = tuple(map(fresh_leaf, module.params)) if active else ()
         # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
         # A parameter that requires grad but is not differentiated (``Active(model, where=...)``
         # leaves it out) is held as an alias made once, the same storage and flag: a backward pass f
@@ -929,7 +932,7 @@ class ReusedView:
         self.held = [_alias(t) if _differentiable_parameter(t) else convert(t) for t in plan.sources]
         aliased = tuple(t for t in plan.sources if _differentiable_parameter(t))
         # the storage each leaf and alias shares (`lease_view` builds anew where ``p.data = ...`` changed it)
-        self.params = (*module.params, *aliased)
+        self.params = (*(module.params if active else ()), *aliased)
         self.pointers = tuple(map(_data_ptr(), self.params))
         self.kept = tuple(
             i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t and not _differentiable_parameter(t)
@@ -1101,24 +1104,26 @@ _HOOK_DICTS = (
 _IDLE_VIEWS = 4  # per description: enough for a few threads or nested calls at once
 
 
-def lease_view(module: ModuleDescription, convert: Callable[[Any], Any]) -> ReusedView:
-    """An idle `ReusedView` of ``module``, refreshed (a new one if none is idle: another thread
-    or a nested call holds it); give it back with `release_view` (after dropping every
-    reference to its modules)."""
+def lease_view(module: ModuleDescription, convert: Callable[[Any], Any], active: bool = True) -> ReusedView:
+    """An idle `ReusedView` of ``module`` (as an Active module, or a Constant one), refreshed (a
+    new one if none is idle: another thread or a nested call holds it); give it back with
+    `release_view` (after dropping every reference to its modules)."""
+    idle = module.reused if active else module.reused_constant
     try:
-        view: ReusedView = module.reused.pop()
+        view: ReusedView = idle.pop()
     except IndexError:
-        return ReusedView(module, convert)
+        return ReusedView(module, convert, active)
     if tuple(map(_data_ptr(), view.params)) != view.pointers:  # `p.data = ...` gave a parameter new storage
-        module.reused.clear()
-        return ReusedView(module, convert)
+        idle.clear()
+        return ReusedView(module, convert, active)
     view.refresh()
     return view
 
 
 def release_view(module: ModuleDescription, view: ReusedView) -> None:
-    if len(module.reused) < _IDLE_VIEWS and view.empty():
-        module.reused.append(view)
+    idle = module.reused if view.active else module.reused_constant
+    if len(idle) < _IDLE_VIEWS and view.empty():
+        idle.append(view)
 
 
 __all__ = [
