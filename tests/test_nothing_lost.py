@@ -33,7 +33,8 @@ def test_finite_differences_leave_every_kind_of_default_scenario_intact(framewor
 
 def test_finite_differences_leave_stateful_models_intact():
     names = ("batchnorm", "lstm", "embedding", "multihead_attention")
-    scenarios = [s for s in nn_scenarios("torch", seed=1) if any(n in s.name for n in names)]
+    # (the stacked LSTM is the same nn.LSTM state as the one-layer one, at half this test's time)
+    scenarios = [s for s in nn_scenarios("torch", seed=1) if any(n in s.name for n in names) and s.name != "lstm_stacked"]
     assert len(scenarios) >= 6
     report = test_differentiation([ad.AutoFiniteDifferences()], scenarios)
     assert report.counts()["pass"] == len(scenarios)
