@@ -221,3 +221,37 @@ def test_losses_that_take_a_gradient_inside_f_in_gradient_prepared_gradient_and_
     assert_close_dicts(prepared(critic, *new), _raw_gradient_and_hvp(loss, critic, tangent, *new)[0], **CLOSE)
     assert_close_dicts(ad.hvp(loss, Active(critic), *map(Constant, data), tangent=tangent), want_hvp, **SECOND_ORDER)
     assert intact()
+
+
+def _first_order_maml(m, x, y):
+    """A first-order MAML step as training code writes it: ``backward()`` in the forward, the fast
+    weights read from ``p.grad`` (no graph), then the query loss."""
+    inner = (m(x) - y).pow(2).mean()
+    inner.backward()
+    fast = m.weight - 0.1 * m.weight.grad.detach()
+    if not torch.isfinite(y).all():
+        raise ValueError("a call that fails after its inner backward")
+    return (nn.functional.linear(x, fast, m.bias) - y).pow(2).mean()
+
+
+def test_a_backward_pass_in_f_s_forward_is_no_part_of_f_s_gradient_and_leaves_nothing_for_the_next_call():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    x, y = randn(4, 3, seed=1).float(), randn(4, 1, seed=2).float()
+
+    def expected():
+        copied = copy.deepcopy(model)
+        out = _first_order_maml(copied, x, y)
+        for p in copied.parameters():
+            p.grad = None  # what the inner backward left is not the meta-gradient
+        return dict(zip(("weight", "bias"), torch.autograd.grad(out, list(copied.parameters()))))
+
+    unchanged = untouched(Active(model))
+    assert_close_dicts(ad.gradient(_first_order_maml, Active(model), Constant(x), Constant(y)), expected())
+    prepared = ad.prepare(ad.gradient, _first_order_maml, Active(model), Constant(x), Constant(y))
+    for _ in range(2):
+        assert_close_dicts(prepared(model, x, y), expected())
+    with pytest.raises(ValueError, match="fails after its inner backward"):
+        prepared(model, x, torch.full_like(y, float("nan")))
+    assert_close_dicts(prepared(model, x, y), expected())  # the failed call's inner .grad is not added in
+    assert unchanged() and model.weight.grad is None

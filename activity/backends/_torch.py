@@ -40,7 +40,20 @@ from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged, cut_is_an_error, derived_from
-from ._torch_modules import VERSION, ModuleDescription, bound_view, described, fresh_leaf, lease_view, release_view, tensor_guard
+from ._torch_modules import (
+    VERSION,
+    ModuleDescription,
+    bound_view,
+    clear_grads,
+    described,
+    differentiable_parameter,
+    fresh_leaf,
+    grads_left,
+    lease_view,
+    parameter_alias,
+    release_view,
+    tensor_guard,
+)
 
 
 def _torch() -> Any:
@@ -121,11 +134,11 @@ def _folded(grads: Flat, leaves: Flat, create_graph: bool = False) -> Flat:
     mode; the user's training loop, ``loss.backward()``, sums both in ``.grad``). Left out, those
     parameters silently got a zero gradient. The leaves are this call's own, so their ``.grad`` is
     cleared (a reused view's leaves serve the next call). With ``create_graph`` (a first pass of
-    second order) such a part has no graph: an error, never a second derivative without it."""
-    for leaf in leaves:  # the usual case, no .grad anywhere, in one pass
-        if leaf.grad is not None:
-            break
-    else:
+    second order) such a part has no graph: an error, never a second derivative without it.
+    The backward pass must start from leaves without ``.grad`` (`clear_grads`): what a backward
+    pass f ran during its forward left there (a first-order MAML step reading ``p.grad``) is no
+    part of f's derivative."""
+    if not grads_left(leaves):  # the usual case
         return grads
     folded = []
     for g, leaf in zip(grads, leaves):
@@ -378,6 +391,8 @@ class AutoTorch(Backend):
             raise RuntimeError(_ONCE_DIFFERENTIABLE)
 
         def one(cts: Flat) -> Flat:
+            if not outer:
+                clear_grads(leaves)
             grads = _torch().autograd.grad(
                 outputs, leaves, [cts[i] for i in connected], retain_graph=True, create_graph=outer, allow_unused=True
             )
@@ -537,9 +552,7 @@ def _constant_for_view(t: Any) -> Any:
     """`_copy_for_view` for a tensor a view does not differentiate (a Constant module's, or one an
     ``Active(model, where=...)`` leaves out): a parameter that requires grad as an alias (see
     `AutoTorch.bind_module`)."""
-    if t.requires_grad and type(t) is _torch().nn.Parameter and not t.is_inference():
-        return _torch().nn.Parameter(t.detach())
-    return _copy_for_view(t)
+    return parameter_alias(t) if differentiable_parameter(t) else _copy_for_view(t)
 
 
 class _DualWatch:
@@ -1099,6 +1112,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
             out = call(f, args)
             if loss_guard is not None and loss_guard.check(out):  # a plain 0-d floating tensor on the tape, as before
                 y, spec = out, None
+                clear_grads(leaves)
                 grads = _zeros_for_unused(_folded(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), leaves), xs, op_name)
             else:
                 y, spec = _scalar_output(problem, out, tensor_type)
@@ -1106,6 +1120,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
                     # `_tape_grads` inlined for the usual scalar loss (a plain tensor): about 1 us a call
                     if y is out and loss_guard is None:
                         loss_guard = tensor_guard([y])
+                    clear_grads(leaves)
                     grads = _zeros_for_unused(_folded(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), leaves), xs, op_name)
                 else:
                     grads = _tape_grads(y, leaves, xs, op_name)
@@ -1269,6 +1284,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
                     if None not in made:
                         guards[:] = made
                 if engine is not None:
+                    clear_grads(leaves)
                     grads = _zeros_for_unused(_folded(engine.run_backward(ys, cts, False, False, leaves, True, False), leaves), xs, op_name)
             else:
                 if seeds is None:
@@ -1510,6 +1526,7 @@ def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool 
     torch = _torch()
     engine = _engine()
     tensor = torch.Tensor
+    clear_grads(leaves)
     if engine is not None and (type(outputs[0]) is tensor if len(outputs) == 1 else all(type(y) is tensor for y in outputs)):
         grads = engine.run_backward(outputs, cotangents, retain_graph or create_graph, create_graph, leaves, True, False)
     else:

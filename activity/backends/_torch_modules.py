@@ -37,7 +37,7 @@ import sys
 import types
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -833,6 +833,20 @@ def _all_same_attributes(tensors: tuple[Any, ...], parameters: tuple[Any, ...]) 
 
 
 _DICT_OF = operator.attrgetter("__dict__")
+_GRAD_OF = operator.attrgetter("grad")
+
+
+def grads_left(tensors: Sequence[Any]) -> bool:
+    """Whether any of ``tensors`` (a view's tape leaves and aliases) has a ``.grad``: a backward
+    pass f ran of its own put it there. (One pass in C: it runs on every call.)"""
+    return list(map(_GRAD_OF, tensors)).count(None) != len(tensors)
+
+
+def clear_grads(tensors: Sequence[Any]) -> None:
+    """Drop the ``.grad`` a backward pass of f's own left on ``tensors``, which are ours."""
+    if grads_left(tensors):
+        for tensor in tensors:
+            tensor.grad = None
 
 
 def _redirect_all(plan: _ViewPlan, views: list[Any], tensors: list[Any]) -> None:
@@ -865,13 +879,16 @@ def _parameter_slot(tensor: Any, original: Any) -> Any:
     return torch.nn.Parameter(tensor, requires_grad=False)
 
 
-def _differentiable_parameter(t: Any) -> bool:
-    """A parameter that requires grad, held by a view it is no leaf of (see `ReusedView`)."""
+def differentiable_parameter(t: Any) -> bool:
+    """A parameter that requires grad, held by a view it is no leaf of (a Constant module's, one
+    ``where=`` leaves out): the view holds a `parameter_alias` of it, never the user's own."""
     kind: Any = type(t)  # (compared as Any: mypy would narrow ``t`` to ``object``)
     return kind is _parameter_type() and bool(t.requires_grad) and not t.is_inference()
 
 
-def _alias(t: Any) -> Any:
+def parameter_alias(t: Any) -> Any:
+    """``t``'s storage and flag in a parameter of the view's own: what a backward pass f runs
+    inside the backward (Reformer's reversible layers) accumulates goes to its ``.grad``."""
     return _parameter_type()(t.detach(), requires_grad=True)
 
 
@@ -929,14 +946,13 @@ class ReusedView:
         # A parameter that requires grad but is not differentiated (``Active(model, where=...)``
         # leaves it out) is held as an alias made once, the same storage and flag: a backward pass f
         # runs inside the backward (Reformer's reversible layers) accumulated into the user's ``.grad``.
-        self.held = [_alias(t) if _differentiable_parameter(t) else convert(t) for t in plan.sources]
-        aliased = tuple(t for t in plan.sources if _differentiable_parameter(t))
+        aliased = [differentiable_parameter(t) for t in plan.sources]
+        self.held = [parameter_alias(t) if alias else convert(t) for t, alias in zip(plan.sources, aliased)]
+        self.aliases = tuple(h for h, alias in zip(self.held, aliased) if alias)
         # the storage each leaf and alias shares (`lease_view` builds anew where ``p.data = ...`` changed it)
-        self.params = (*(module.params if active else ()), *aliased)
+        self.params = (*(module.params if active else ()), *(t for t, alias in zip(plan.sources, aliased) if alias))
         self.pointers = tuple(map(_data_ptr(), self.params))
-        self.kept = tuple(
-            i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t and not _differentiable_parameter(t)
-        )
+        self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t and not aliased[i])
         self.copy_kept = _copier([self.held[i] for i in self.kept], [plan.sources[i] for i in self.kept]) if self.kept else None
         # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
         self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
@@ -970,6 +986,9 @@ class ReusedView:
         return counts + tuple(map(sys.getrefcount, self.held_copies)) if self.held_copies else counts
 
     def refresh(self) -> None:
+        # A call that raised after a backward pass of f's own left .grad behind: f sees none, as in its first call
+        clear_grads(self.leaves)
+        clear_grads(self.aliases)
         for original_ref, state, own in self.copies:
             state.update(original_ref().__dict__)
             state.update(own)
@@ -1130,10 +1149,14 @@ __all__ = [
     "ModuleDescription",
     "ReusedView",
     "bound_view",
+    "differentiable_parameter",
+    "parameter_alias",
+    "clear_grads",
     "describe_module",
     "described",
     "forget_hooks_since",
     "fresh_leaf",
+    "grads_left",
     "lease_view",
     "release_view",
     "tensor_guard",
