@@ -111,26 +111,8 @@ class Prepared(Generic[R]):
         return f"<prepared activity.{self.operator} on {self.backend!r}, strict={self._strict}>"
 
     def __call__(self, *args: Any, **seed_kwargs: Any) -> R:
-        # The common call, raw arguments to a strict operator without keywords for f, goes
-        # straight to the compiled call; this path is timed against raw `jax.jit` calls, so
-        # it is a loop rather than any(...), and everything else is left to `_call`.
-        direct = self._direct
-        if direct is not None:
-            if self._direct_takes_annotations:
-                for arg in args:
-                    if isinstance(arg, Annotation):
-                        return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
-            try:
-                out = direct(*args, **seed_kwargs)
-            except self._direct_misses:
-                pass  # the checked path, outside this handler: its error is not chained to the miss
-            except Exception as error:
-                self._explain(error)
-                raise
-            else:
-                rebuild = self._direct_rebuild
-                return out if rebuild is None else rebuild(out)  # type: ignore[no-any-return]
-            return self._after_miss(args, seed_kwargs)  # type: ignore[no-any-return]
+        # A strict operator without keywords for f has a `__call__` of its own for the prepared
+        # call (see `_specialise`), which hands every other shape of call here.
         return self._reported(self._call, args, seed_kwargs)  # type: ignore[no-any-return]
 
     def _generic_call(self, args: tuple[Any, ...], seed_kwargs: dict[str, Any]) -> Any:
@@ -179,12 +161,8 @@ class Prepared(Generic[R]):
 
     def _set_compiled_call(self, compiled_call: Any) -> None:
         self._compiled_call = compiled_call
-        # `__call__`'s direct path: it serves strict operators without keywords for f
+        # a `__call__` written for the prepared call serves strict operators without keywords for f
         direct = compiled_call is not None and self._strict and not self._keywords
-        self._direct = compiled_call.call if direct else None
-        self._direct_misses = compiled_call.misses if direct else ()
-        self._direct_rebuild = compiled_call.rebuild if direct else None
-        self._direct_takes_annotations = not (direct and compiled_call.refuses_annotations)
         self._specialise(compiled_call if direct else None)
 
     def _specialise(self, compiled_call: Any) -> None:
