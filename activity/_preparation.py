@@ -166,11 +166,22 @@ class Prepared(Generic[R]):
         self._specialise(compiled_call if direct else None)
 
     def _specialise(self, compiled_call: Any) -> None:
-        """Give this object a ``__call__`` written for the prepared call (`specialised_call`),
-        or take it away (None): the method lives on a subclass of its own, made on first use,
-        as Python looks a call's ``__call__`` up on the type."""
-        specialised = None
-        if compiled_call is not None:
+        """Give this object a ``__call__`` for the prepared call, or take it away (None): the
+        framework's own dispatch where the backend offers one (``compiled_call.native``: its
+        misses come back to `_after_miss` with the caller's arguments, and a copy of this
+        object hands them to this one, which holds the same plan), else a method written for
+        it (`specialised_call`). It lives on a subclass of its own, made on first use, as
+        Python looks a call's ``__call__`` up on the type."""
+        specialised: Any = None
+        native = None if compiled_call is None or compiled_call.native is None else compiled_call.native(
+            functools.partial(Prepared._after_miss, self), functools.partial(Prepared._explain, self),
+            functools.partial(Prepared.__call__, self),
+        )
+        if native is not None:
+            # JAX's C++ dispatch is the whole call, with no frame of activity's: the prepared
+            # call's hook in `native` hands every other call to the generic paths.
+            specialised = staticmethod(native)
+        elif compiled_call is not None:
             specialised = specialised_call(
                 len(self._plan.problem.kinds), self._seed_names, compiled_call.call, compiled_call.misses,
                 compiled_call.rebuild, not compiled_call.refuses_annotations,
@@ -186,8 +197,12 @@ class Prepared(Generic[R]):
             cls = type(self).__mro__[1] if owner is not None else type(self)  # not a copy's owner's subclass
             namespace = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
             self.__class__ = type(cls.__name__, (cls,), {**namespace, "_specialised_for": weakref.ref(self)})
-        specialised.__doc__, specialised.__qualname__ = Prepared.__call__.__doc__, "Prepared.__call__"
-        specialised.__signature__ = _generic_signature()  # type: ignore[attr-defined]  # what `inspect` shows
+        if native is None:
+            specialised.__doc__, specialised.__qualname__ = Prepared.__call__.__doc__, "Prepared.__call__"
+            specialised.__signature__ = _generic_signature()  # what `inspect` shows
+        else:  # its signature is `eager`'s, the generic call's
+            functools.update_wrapper(native, Prepared.__call__, updated=())
+            del native.__wrapped__
         type(self).__call__ = specialised  # type: ignore[method-assign]
 
     def _with_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:

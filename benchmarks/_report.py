@@ -210,17 +210,19 @@ WHERE_THE_TIME_GOES = """## Where the remaining time goes
 arguments and their split into differentiated and constant leaves are traced with the
 derivative, so JAX's C++ dispatch checks shapes and dtypes and finds the compiled code,
 as it does for the raw `jax.jit(jax.grad(f))`. A strict prepared call without keyword
-arguments for `f` goes from the prepared object's entry (one frame and a scan for
-annotated arguments) straight to that compiled call. Where the result is not what JAX
-would give back (a dict whose keys JAX sorts, a mask's `None`), its arrays leave the
-compiled call as a flat tuple, which JAX builds in C++, and the prepared object rebuilds
-the result with the structure recorded when the call was traced (one C call of optree):
-there is no pytree node of ours to unflatten and no wrapper frame. What remains is that
-entry, about 0.3 us, and that rebuild, 0.3 to 0.6 us; on the width-8 MLP, whose calls take
-11 to 20 us with synchronous dispatch, that is 3 to 6 %. It cannot go while the prepared
-object accepts annotated arguments and returns a dict in its argument's key order. The
-masked-gradient rows compare two prepared calls whose results are rebuilt differently
-(a nested structure with `None` against a two-key dict), which is their 0.4 us.
+arguments for `f` is that dispatch and nothing else: the prepared object's `__call__` is a
+`jax.jit` dispatch of its own, whose cache-miss handler is activity's (a call of another
+signature, or with annotated arguments, reaches the checked path with the caller's own
+arguments). Where the result is not what JAX would give back (a dict whose keys JAX
+sorts, a mask's `None`), its arrays leave the compiled call as a flat tuple, and the
+structure JAX's dispatch rebuilds in C++ after each call is one built from the result,
+its dict keys in the argument's order. No Python frame of activity's runs on such a call;
+what a row still shows is noise, and the keyword by which our side passes a tangent or
+cotangent (the raw side passes it by position; JAX's dispatch takes keywords a little
+more slowly). A result holding other containers (a namedtuple, a custom node), a model
+with non-array leaves (an Equinox module) and `f` calling back into Python keep one frame
+of activity's. The masked-gradient rows compare two prepared calls whose results are
+rebuilt differently (a nested structure with `None` against a two-key dict).
 
 **PyTorch.** A prepared torch `gradient`, a `pullback` of one cotangent and an `hvp` of
 one tangent run straight on the autograd tape; every other operator runs its pipeline,

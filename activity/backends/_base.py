@@ -252,12 +252,16 @@ class CompiledCall:
     With ``rebuild``, the call returns the result's leaves, and ``rebuild(leaves)`` is the
     result (the prepared object calls it, saving a frame per call). ``refuses_annotations``:
     an annotated argument (``Constant(x)``) is one of its misses (`jax.jit` refuses it as no
-    JAX type), so the prepared object does not look for one before the call."""
+    JAX type), so the prepared object does not look for one before the call. ``native``,
+    where the framework's own dispatch can serve the prepared call with no Python frame,
+    makes that callable from the prepared object's paths for every other call
+    (`native_call` in ``_jax_dispatch``)."""
 
     call: Callable[..., Any]
     misses: tuple[type[BaseException], ...] = (SignatureChanged,)
     rebuild: Callable[[Any], Any] | None = None
     refuses_annotations: bool = False
+    native: Callable[[Callable[..., Any], Callable[..., Any], Callable[..., Any]], Any] | None = None
 
     def __call__(self, *values: Any, **seed_kwargs: Any) -> Any:
         out = self.call(*values, **seed_kwargs)

@@ -21,6 +21,7 @@ from .._errors import add_note, caller_stacklevel
 from .._imports import optional, require
 from .._tree import NAMESPACE, captured_values, flatten, rebuilder, unflatten
 from ._base import Backend, CompiledCall, Flat, FlatFunction, SignatureChanged
+from ._jax_dispatch import calls_back, literal_treedef, native_call
 
 
 def _jax() -> Any:
@@ -177,10 +178,19 @@ class AutoJAX(Backend):
         if sealed is None:
             return None
         jitted, output = sealed
-        if output.get("structure") is not None:  # the result's arrays leave as a tuple
+        # Without a call back into Python (whose error the Python path explains), a strict
+        # call is dispatched by JAX's C++ dispatch alone (`native_call`).
+        native = retrace is None and not output["calls_back"]
+        treedef = output.get("treedef")
+        if treedef is not None:  # the result's arrays leave as a tuple, which this treedef rebuilds
+            return CompiledCall(
+                jitted, _MISSES, treedef.unflatten, refuses_annotations=True,
+                native=native_call(jitted, treedef, _MISSES) if native else None,
+            )
+        if output.get("structure") is not None:  # as a tuple too, rebuilt by activity
             return CompiledCall(jitted, _MISSES, rebuilder(output["structure"]), refuses_annotations=True)
         if retrace is None and not output["rebuilt"]:  # one signature, whose result JAX returns as built
-            return CompiledCall(jitted, _MISSES, refuses_annotations=True)
+            return CompiledCall(jitted, _MISSES, refuses_annotations=True, native=native_call(jitted, None, _MISSES) if native else None)
 
         def call(*values: Any, **seed_kwargs: Any) -> Any:
             return _rebuilt(jitted(*values, **seed_kwargs))
@@ -218,9 +228,11 @@ def _sealed_jit(
     try:
         # Traced and compiled, not run (the values may be placeholders); calls share JAX's
         # caches with `lower`, so the first call neither traces nor compiles.
-        jitted.lower(*values, **seed_kwargs).compile()
+        lowered = jitted.lower(*values, **seed_kwargs)
+        lowered.compile()
     except Exception:  # noqa: BLE001 - the checked path runs the call again and reports any error
         return None
+    output["calls_back"] = calls_back(lowered)
     sealed = True
     return jitted, output
 
@@ -346,8 +358,10 @@ def _with_static_output(function: Callable[..., Any], output: dict[str, Any], fi
 
     With ``fixed_structure`` (every trace is for the prepared signature, so f's result has
     one structure), a result of arrays leaves as the tuple of its arrays, which JAX builds
-    in C++, and ``output["structure"]`` holds activity's structure of it, which rebuilds it;
-    a trace whose result has another structure raises SignatureChanged.
+    in C++, and a trace whose result has another structure raises SignatureChanged. The
+    structure that rebuilds it is ``output["treedef"]``, a JAX treedef whose dicts keep
+    their keys' order, where the result holds only dicts, lists, tuples and None (see
+    `literal_treedef`); else ``output["structure"]``, activity's.
     """
     _register_output()
 
@@ -356,6 +370,12 @@ def _with_static_output(function: Callable[..., Any], output: dict[str, Any], fi
         keeps = _jax_keeps(out)
         output.setdefault("rebuilt", not keeps)
         if fixed_structure:
+            literal = None if keeps else literal_treedef(out)
+            treedef = output.setdefault("treedef", None if literal is None else literal[0])
+            if treedef is not None:
+                if literal is None or literal[0] != treedef:
+                    raise SignatureChanged
+                return tuple(literal[1])
             leaves, structure = flatten(out)
             arrays = all(map(_is_jax_array, leaves))
             known = output.setdefault("structure", structure if arrays and not keeps else None)
