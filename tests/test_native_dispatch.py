@@ -28,6 +28,9 @@ from activity import Active, Constant  # noqa: E402
 from activity.backends import _jax as jax_backend  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
+# JAX 0.7 cannot make a treedef of dict keys in a given order: there a result of dicts
+# keeps one Python frame (its rebuild), and only results JAX builds as they are skip it.
+ORDERED_TREEDEFS = hasattr(jax.tree_util.tree_structure(0), "from_node_data_and_children")
 ACTIVITY = str(Path(ad.__file__).parent)
 
 
@@ -121,15 +124,19 @@ def test_each_operator_gives_the_raw_result_in_the_arguments_key_order(dispatch)
         assert_same(got, jax.jvp(lambda p: model(p, x), (p,), (tangent,))[1])
         assert list(got) == ["y", "c"]  # f's own key order
         assert_same(jacobian(x, x), jax.jacrev(lambda v: jnp.tanh(v * x))(x))
-    if dispatch == "native":
+    if dispatch == "native" and ORDERED_TREEDEFS:
         assert isinstance(type(gradient).__dict__["__call__"], staticmethod)
 
 
 def test_a_prepared_call_runs_no_python_code_of_activitys():
     p, x = params(), data(0)
+    of_array = ad.prepare(ad.gradient, lambda v, x: jnp.sum(jnp.tanh(v * x) ** 2), Active(x), Constant(x))
+    of_array(x, x)  # the first call: JAX's cache is filled through activity's handler
+    assert python_frames(functools.partial(of_array, data(1), x)) == []
     gradient = ad.prepare(ad.gradient, loss, Active(p), Constant(x))
-    gradient(p, x)  # the first call: JAX's cache is filled through activity's handler
-    assert python_frames(functools.partial(gradient, p, data(1))) == []
+    gradient(p, x)
+    if ORDERED_TREEDEFS:  # a dict in the argument's key order, rebuilt by JAX's dispatch
+        assert python_frames(functools.partial(gradient, p, data(1))) == []
     annotated = python_frames(functools.partial(gradient, Active(p), Constant(x)))
     assert any(frame.startswith(ACTIVITY) for frame in annotated)  # the checked path strips them
     with jax.disable_jit():  # JAX calls the generic path in the compiled call's place

@@ -124,7 +124,7 @@ def test_threads_calling_one_prepared_object_each_get_their_own_result(prepared_
     for thread in threads:
         thread.join()
     for i, x in enumerate(xs):
-        assert_tree_close(got[i], jax.grad(loss)(p, x))
+        assert_tree_close(got[i], jax.jit(jax.grad(loss))(p, x))  # compiled as ours is (eager tanh differs near 1)
 
 
 def test_a_torch_module_prepared_on_the_meta_device_is_served_once_its_devices_are_known():
