@@ -12,6 +12,11 @@ binds the arguments by position, reads everything else from its closure, and bui
 result in place. Any call of another shape (fewer or more arguments, other keywords, an
 annotated argument where the compiled call would take it) goes to the generic path,
 `Prepared._generic_call`, which treats it as before.
+
+Where the framework's own dispatch can be the whole call (a strict JAX call whose result
+JAX's dispatch can build: ``backends/_jax_dispatch.py``), there is no frame at all and this
+method is not made; it serves the rest (an Equinox module's call, a result holding a
+namedtuple, a program that calls back into Python, torch).
 """
 
 from __future__ import annotations
