@@ -17,6 +17,11 @@ tangent into every other parameter's second derivative; the double backward did 
 numbers on every Hugging Face model with a pad token in its input (BERT, RoBERTa, Longformer,
 LFM2-MoE, ...). While activity runs f in forward mode on modules holding a padding index, a
 padded lookup's outputs at padding positions carry no tangent (`backends/_torch_lookups.py`).
+Also fixed: ``hessian`` (forward over reverse first) raised torch's "mutate a captured Tensor" where f
+writes a tensor in place under ``no_grad`` that the transform did not get (weight clipping in a
+Constant critic's forward; RWKV in eval mode with ``where=`` leaving its rescaled weights out)
+instead of falling back to the double backward as for any other transform limit; and the failed
+first attempt took the check for such writes with it, so none was warned of.
 
 Also tried and fine, not kept: the same gradient checks on Falcon-H1, Bamba, Nemotron-H,
 Qwen3-Next (gated delta rule), RecurrentGemma (RG-LRU), Gemma-3n (AltUp, per-layer inputs,
@@ -266,3 +271,50 @@ def test_expert_routing_and_a_state_space_mixer_second_order_on_small_submodules
     got_model, got_x = ad.pullback(lambda m, h: m(h), Active(mamba), Active(x), cotangent=cotangent)
     torch.testing.assert_close(got_x, raw[0], **CLOSE)
     assert_close_dicts(got_model, dict(zip(names, raw[1:])), **CLOSE)
+
+
+# ------------------------------------------------------------------ an in-place write the transform did not get
+
+
+class _ClippedCritic(nn.Module):
+    """A WGAN critic clipping its weights inside its forward, under ``no_grad`` (as RWKV rescales
+    its layers in eval mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2, dtype=torch.float64)
+        self.out = nn.Linear(2, 1, dtype=torch.float64)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.6, 0.6)  # nn.Linear(3, 2) starts within 1/sqrt(3)
+        return torch.tanh(self.out(torch.tanh(self.lin(x)))).pow(2).sum()
+
+
+def test_a_hessian_through_weight_clipping_in_the_forward_falls_back_to_the_double_backward():
+    """Forward over reverse (what ``hessian`` runs first) refuses an in-place write to a tensor
+    the transform did not get (a Constant module's parameter, or one ``where=`` leaves out):
+    ``hessian`` raised where ``hvp`` worked; the tape answers, as for any transform limit."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        critic = _ClippedCritic()
+    x = randn(4, 3, seed=1)
+    weight = critic.lin.weight.detach().clone()
+    twin = copy.deepcopy(critic)
+    want_x = torch.autograd.functional.hessian(lambda v: twin(v), x)
+    bias = twin.out.bias.detach().clone()
+
+    def of_bias(b):
+        return torch.func.functional_call(twin, {"out.bias": b}, (x,), strict=False)
+
+    want_bias = torch.autograd.functional.hessian(of_bias, bias)
+    with pytest.warns(RuntimeWarning, match="in place outside the tape"):  # the clamp bumps the version
+        got_x = ad.hessian(_call, Constant(critic), Active(x))
+    torch.testing.assert_close(got_x, want_x, **SECOND_ORDER)
+    got = ad.hessian(_call, Active(critic, where=lambda path, leaf: path == "out.bias"), Constant(x))
+    torch.testing.assert_close(got["out.bias"]["out.bias"], want_bias, **SECOND_ORDER)
+    assert torch.equal(critic.lin.weight.detach(), weight)  # within the clip range: the write changed no value
+
+
+def _call(m, x):
+    return m(x)

@@ -85,6 +85,9 @@ _TRANSFORM_LIMITS = (
     "data pointer of tensor that doesn't have storage",  # .numpy(), data_ptr() on a transform's wrapper
     "derivative for",  # "derivative for aten::..._backward is not implemented": no double backward
     "zerotensors are immutable",  # forward over reverse writing a gradient torch keeps as a ZeroTensor (mse_loss)
+    # an in-place write under no_grad to a tensor f reaches but the transform did not get (weight clipping
+    # of a Constant module's parameter, RWKV's rescaling in eval mode): the tape runs it, as a plain call does
+    "mutate a captured tensor",
 )
 
 _NO_SECOND_ORDER = (
