@@ -203,6 +203,9 @@ def test_a_padded_lookup_has_the_same_derivatives_in_forward_mode_as_in_reverse_
     prepared = ad.prepare(ad.pushforward, _tagger_loss, Active(model), Constant(ids), tangent=tangent)
     for _ in range(2):
         torch.testing.assert_close(prepared(model, ids, tangent=tangent), along, **CLOSE)
+    batch = [tangent, _tangent(model, seed=20)]  # several tangents: torch.func.jvp under vmap
+    for got, each in zip(ad.pushforward(_tagger_loss, Active(model), Constant(ids), tangents=batch), batch):
+        torch.testing.assert_close(got, sum((grads[n] * each[n]).sum() for n in grads), **CLOSE)
     for backend in (ad.AutoTorch(), _forward_over_reverse(), ad.AutoTorch(hvp_mode="reverse-over-reverse")):
         got = ad.hvp(_tagger_loss, Active(model), Constant(ids), tangent=tangent, backend=backend)
         assert_close_dicts(got, want, **SECOND_ORDER)
