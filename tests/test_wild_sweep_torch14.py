@@ -30,7 +30,13 @@ activation sparsity), MiniMax (lightning attention), GraniteMoeHybrid, LFM2-MoE,
 replayed); pushforward, pullback and both hvp paths on all of those and the models below (the
 routers' float32 softmax and the scans' float32 chunks agree to float32 precision only;
 Gemma-3n's second derivatives are NaN in torch itself); Longformer with dropout in train mode
-(one eager call's draws). Not built from a tiny config in this transformers version (5.25):
+(one eager call's draws) and with a global attention mask, LED, ``Active(model, where=...)`` on
+the routers and embeddings of Qwen2-MoE and Jamba, the Hessian of a few selected parameters of
+Qwen2-MoE, GPT-OSS (its attention sinks), Mamba2, RWKV and Longformer against hvp, OLMoE in
+float32 with transformers' ``grouped_mm`` and ``batched_mm`` experts (gradient, pushforward, hvp;
+``grouped_mm`` has no forward-mode rule, so only the double backward), and one decoding step
+from a ``DynamicCache`` as a Constant (Mamba2, Qwen2-MoE; Jamba's and LFM2's linear-attention
+cache layers ``copy_`` their states into the cache tensors in place, as a ``StaticCache`` does). Not built from a tiny config in this transformers version (5.25):
 xLSTM, Zamba (its tied shared blocks), DBRX (clip_qkv=None). Found and not fixed: RWKV in eval
 mode with ``rescale_every`` divides its layers' weights in place under ``no_grad`` once and sets
 ``layers_are_rescaled``; under activity the flag lands on the view while the write reaches the
