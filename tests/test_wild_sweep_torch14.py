@@ -22,6 +22,10 @@ writes a tensor in place under ``no_grad`` that the transform did not get (weigh
 Constant critic's forward; RWKV in eval mode with ``where=`` leaving its rescaled weights out)
 instead of falling back to the double backward as for any other transform limit; and the failed
 first attempt took the check for such writes with it, so none was warned of.
+And a hybrid model's cache (Jamba's, LFM2's, Qwen3-Next's: linear-attention layers holding the
+Mamba or gated-delta layers' conv and recurrent states) was an opaque constant, its layer type
+having a base of its own: a prepared call refused every new cache of a decoding loop, and
+``Active(past)`` silently gave the states no gradient; it is a pytree like the attention layers.
 
 Also tried and fine, not kept: the same gradient checks on Falcon-H1, Bamba, Nemotron-H,
 Qwen3-Next (gated delta rule), RecurrentGemma (RG-LRU), Gemma-3n (AltUp, per-layer inputs,
@@ -35,8 +39,8 @@ the routers and embeddings of Qwen2-MoE and Jamba, the Hessian of a few selected
 Qwen2-MoE, GPT-OSS (its attention sinks), Mamba2, RWKV and Longformer against hvp, OLMoE in
 float32 with transformers' ``grouped_mm`` and ``batched_mm`` experts (gradient, pushforward, hvp;
 ``grouped_mm`` has no forward-mode rule, so only the double backward), and one decoding step
-from a ``DynamicCache`` as a Constant (Mamba2, Qwen2-MoE; Jamba's and LFM2's linear-attention
-cache layers ``copy_`` their states into the cache tensors in place, as a ``StaticCache`` does). Not built from a tiny config in this transformers version (5.25):
+from a ``DynamicCache`` as a Constant (Mamba2, Qwen2-MoE; the linear-attention layers ``copy_``
+their states into the cache's tensors in place, as a ``StaticCache`` does: pass each call a copy). Not built from a tiny config in this transformers version (5.25):
 xLSTM, Zamba (its tied shared blocks), DBRX (clip_qkv=None). Found and not fixed: RWKV in eval
 mode with ``rescale_every`` divides its layers' weights in place under ``no_grad`` once and sets
 ``layers_are_rescaled``; under activity the flag lands on the view while the write reaches the
@@ -327,3 +331,40 @@ def test_a_hessian_through_weight_clipping_in_the_forward_falls_back_to_the_doub
 
 def _call(m, x):
     return m(x)
+
+
+# ------------------------------------------------------------------ a hybrid model's cache
+
+
+def _step_loss(m, ids, past):
+    return m(input_ids=ids, past_key_values=past, use_cache=True, cache_position=torch.tensor([6])).logits.pow(2).mean()
+
+
+def _states(past):
+    return [t for layer in past.layers for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {}))
+            for t in states.values() if t is not None]
+
+
+def test_a_hybrid_model_s_cache_of_linear_attention_states_is_a_pytree_like_its_attention_layers():
+    """Jamba's cache holds a linear-attention layer (the Mamba layer's conv and SSM states) beside
+    an attention layer. That layer type has a base of its own, which activity took for an opaque
+    constant: a prepared call refused every new cache of a decoding loop ("compares by identity"),
+    and ``Active(past)`` silently had no gradient for the states."""
+    model_type, config_type, config = _MODELS["jamba"]
+    model = built(model_type, config_type, attn_implementation="eager", **config)
+    ids, step = torch.randint(2, 64, (2, 6), generator=generator(1)), torch.randint(2, 64, (2, 1), generator=generator(2))
+    with torch.no_grad():
+        past = model(input_ids=ids, use_cache=True).past_key_values
+    assert len(_states(past)) == 2
+    prepared = ad.prepare(ad.gradient, _step_loss, Active(model), Constant(step), Constant(copy.deepcopy(past)))
+    for _ in range(2):  # each step's own copy: the layer writes its states into the cache's tensors in place
+        _, want = _raw(_step_loss, model, step, copy.deepcopy(past))
+        assert_close_dicts(prepared(model, step, copy.deepcopy(past)), want, **CLOSE)
+    # the states as an Active part of the cache
+    held = copy.deepcopy(past)
+    leaves = [t.clone().requires_grad_() for t in _states(held)]
+    want = torch.autograd.grad(sum((t * t.tanh()).sum() for t in leaves), leaves)
+    got = ad.gradient(lambda c: sum((t * t.tanh()).sum() for t in _states(c)), Active(held))
+    assert type(got) is type(held)
+    for g, w in zip(_states(got), want, strict=True):
+        torch.testing.assert_close(g, w, **CLOSE)
