@@ -832,7 +832,13 @@ class Problem:
                 watch = sys.modules["activity.backends._torch_modules"]
                 self._hook_handles = watch.hook_handles()  # before the flag: another thread reads it then
                 self._watched = True
-                return watch.watched_call(described, run, f, values, self.op_name, self.label, True)
+                try:
+                    return watch.watched_call(described, run, f, values, self.op_name, self.label, True)
+                except BaseException:
+                    # f stopped before any write it makes (torch.func refusing one, which the tape then
+                    # runs): the next call is the first to look
+                    self._watched = False
+                    raise
             handles = self._hook_handles
             first = handles.next_id  # counts every hook torch registers
             try:

@@ -405,7 +405,11 @@ def _is_hf_cache(cls: type) -> bool:
     cache_utils = sys.modules.get("transformers.cache_utils")
     if cache_utils is None:
         return False
-    bases = tuple(getattr(cache_utils, name, None) for name in ("Cache", "CacheLayerMixin"))
+    # (a linear-attention layer, the conv and recurrent states of a hybrid model's Mamba or
+    # gated-delta layers, has a base of its own: as an opaque constant, a prepared call refused
+    # every new cache of Jamba, LFM2, Qwen3-Next..., and f's forward wrote into the user's layer)
+    names = ("Cache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin", "DummyLayer")
+    bases = tuple(getattr(cache_utils, name, None) for name in names)
     return any(base is not None and issubclass(cls, base) for base in bases)
 
 

@@ -40,6 +40,7 @@ from .._imports import optional, require
 from .._problem import Traced
 from .._tree import LEAF, flatten, unflatten
 from ._base import NO_CONTEXT, Backend, CompiledCall, Flat, FlatFunction, SignatureChanged, cut_is_an_error, derived_from
+from ._torch_lookups import on_reverse_convention
 from ._torch_modules import (
     VERSION,
     ModuleDescription,
@@ -84,6 +85,9 @@ _TRANSFORM_LIMITS = (
     "data pointer of tensor that doesn't have storage",  # .numpy(), data_ptr() on a transform's wrapper
     "derivative for",  # "derivative for aten::..._backward is not implemented": no double backward
     "zerotensors are immutable",  # forward over reverse writing a gradient torch keeps as a ZeroTensor (mse_loss)
+    # an in-place write under no_grad to a tensor f reaches but the transform did not get (weight clipping
+    # of a Constant module's parameter, RWKV's rescaling in eval mode): the tape runs it, as a plain call does
+    "mutate a captured tensor",
 )
 
 _NO_SECOND_ORDER = (
@@ -804,7 +808,8 @@ def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat] | N
         outer_dropped, _DualWatch.dropped = _DualWatch.dropped, False
         _DualWatch.open += 1
         try:
-            ys, aux = F(tuple(map(forward_ad.make_dual, xs, ts)))
+            # (embedding lookups' tangents as their backward has them)
+            ys, aux = on_reverse_convention(F, F)(tuple(map(forward_ad.make_dual, xs, ts)))
         finally:
             _DualWatch.open -= 1
             dropped, _DualWatch.dropped = _DualWatch.dropped, outer_dropped
@@ -827,7 +832,7 @@ def _dual_jvp(F: FlatFunction, xs: Flat, ts: Flat) -> tuple[Flat, Any, Flat] | N
 def _func_jvp(F: FlatFunction, xs: Flat, ts: Flat, batched: bool, backend: AutoTorch) -> tuple[Flat, Any, Flat]:
     """`torch.func.jvp`, vmapped over a batch of tangents (serialised: forward-AD levels are global)."""
     torch = _torch()
-    G = _checked_forward(F)
+    G = on_reverse_convention(F, _checked_forward(F))  # embedding lookups' tangents as their backward has them
 
     def one(tangent: Flat) -> tuple[Any, ...]:
         ys, dys, aux = torch.func.jvp(G, (xs,), (tangent,), has_aux=True)

@@ -44,6 +44,7 @@ import attrs
 from .._errors import UnsupportedError, caller_stacklevel
 from .._tree import closure_values, global_values
 from ._torch_keras import KERAS_WRAPPERS, check_built, keras_layer_type
+from ._torch_lookups import holds_lookups
 
 # Slots every module has; they are rebuilt for a view or hold hooks called with the view itself.
 _SLOTS = frozenset(("_parameters", "_buffers", "_modules"))
@@ -76,6 +77,7 @@ class ModuleDescription:
     layout: tuple[Any, ...]  # types, parameter and buffer layouts: what a prepared operator checks
     has_buffers: bool
     has_inference: bool = False  # a tensor made under torch.inference_mode (cloned in a view)
+    has_lookups: bool = False  # an embedding lookup with a padding index or frequency scaling (`_torch_lookups`)
     # For `still_describes`: the parameter, buffer and submodule dicts of every visited
     # module, with the objects each held (empty ones apart), each tensor's metadata, and
     # each module's __dict__: its size (a new instance attribute such as `forward`) and the
@@ -244,6 +246,7 @@ def describe_module(module: Any) -> ModuleDescription:
         tuple(layout),
         has_buffers,
         any(t.is_inference() for t in tensors),
+        any(map(holds_lookups, modules)),
         # The slot dicts hold the submodules alive anyway; the root's __dict__ may refer to the root.
         slot_dicts=(*slot_dicts, *(m.__dict__ for m in modules[1:])),
         slot_sizes=(*map(len, slot_dicts), *(len(m.__dict__) for m in modules[1:])),
