@@ -16,7 +16,9 @@
   a list of modules), as ``nnx.grad`` treats such an argument: each module is
   differentiated in its ``nnx.Param`` variables and comes back as an ``nnx.State``
   in its place, the other leaves follow the pytree rule, and a variable shared by
-  two of the modules is one parameter, listed under its first one.
+  two of the modules is one parameter, listed under its first one. "Module" here is
+  any NNX graph object (``nnx.Pytree``: a user's subclass, ``nnx.Rngs``, ``nnx.Optimizer``),
+  which ``nnx.grad`` splits the same way.
 - A Penzai model (or any pytree holding Penzai variables): its ``pz.Parameter``
   variables, as Penzai's own recipe (``pz.unbind_params(model, freeze=True)``,
   ``jax.grad`` of the frozen values, ``pz.bind_variables`` inside) and its
