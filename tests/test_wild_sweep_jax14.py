@@ -344,3 +344,37 @@ def test_equinox_weight_norm_conv_and_attention_with_rotary_heads():
     assert_trees(prepared(attention, x, causal), eqx.filter_grad(attention_loss)(attention, x, causal))
     x2, full = normal(11, 5, 8), jnp.ones((5, 5), bool)
     assert_trees(prepared(attention, x2, full), eqx.filter_grad(attention_loss)(attention, x2, full))
+
+
+# ------------------------------------------------------------------ the testing kit on half-precision models
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_check_on_a_half_precision_model_allows_its_rounding_and_still_catches_a_wrong_gradient(dtype):
+    # <gradient, u> and <pullback(v), u> were reduced to float64 before the comparison, which then
+    # held them to float64's rounding: a right bfloat16 gradient failed where the same model's
+    # pushforward, compared in its own dtype, passed.
+    import equinox as eqx
+
+    from activity.testing import check
+
+    model = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(1), dtype=getattr(jnp, dtype))
+    x = normal(12, 5, 3).astype(dtype)
+
+    def loss(m, x):
+        return jnp.sum(jnp.tanh(jax.vmap(m)(x)) ** 2)
+
+    report = check(loss, Active(model), Constant(x), operators=["gradient", "pullback"], directions=2)
+    assert len(report.passed) == 4 and not report.unreliable
+
+    @jax.custom_vjp
+    def off_tanh(y):  # its derivative 50% too large
+        return jnp.tanh(y)
+
+    off_tanh.defvjp(lambda y: (jnp.tanh(y), y), lambda y, g: (1.5 * g * (1 - jnp.tanh(y) ** 2),))
+
+    def wrong(m, x):
+        return jnp.sum(off_tanh(jax.vmap(m)(x)) ** 2)
+
+    with pytest.raises(AssertionError, match=r"FAIL  <gradient, u\d> on AutoJAX\(\)"):
+        check(wrong, Active(model), Constant(x), operators=["gradient", "pullback"], directions=2)

@@ -119,9 +119,9 @@ def check(
     small = _total(structure) <= _SMALL and _total(output) <= _SMALL
     report = CheckReport()
 
-    def compare(name: str, actual: Any, expected: Any, reference_used: bool) -> None:
+    def compare(name: str, actual: Any, expected: Any, reference_used: bool, products: Products = ()) -> None:
         try:
-            assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected)))
+            assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected, products)))
         except AssertionError as error:
             if reference_used and unreliable:
                 report.unreliable.append(f"{name}: reference unreliable: {unreliable[0]}")
@@ -187,11 +187,11 @@ def check(
             if "pullback" in chosen:
                 vjp = run(f"pullback[v{i}]", lambda v=v: ad.pullback(f, *args, cotangent=v, backend=backend))  # type: ignore[misc]
                 if vjp is not None:
-                    compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True)
+                    compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True, ((vjp, u), (ref_jvps[i], v)))
             if "gradient" in chosen:
                 grad = run("gradient", lambda: ad.gradient(f, *args, backend=backend))
                 if grad is not None:
-                    compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True)
+                    compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True, ((grad, u), (ref_jvps[i], None)))
             if "hvp" in chosen:
                 hvp = run(f"hvp[u{i}]", lambda u=u: ad.hvp(f, *args, tangent=u, backend=backend))  # type: ignore[misc]
                 if hvp is not None:
@@ -256,22 +256,46 @@ def _agrees(gradient: Any, u: Any, ref_jvp: Any, rtol: float, atol: float) -> bo
     if gradient is None:
         return False
     actual, expected = _dot(gradient, u), to_float64(ref_jvp)
+    products = ((gradient, u), (ref_jvp, None))
     try:  # the tolerances `compare` gives the gradient's own check, so the two never disagree
-        assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected)))
+        assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected, products)))
     except AssertionError:
         return False
     return True
 
 
-def _rounding_atol(actual: Any, expected: Any) -> float:
+Products = tuple[tuple[Any, Any], ...]  # (tree, direction): an inner product a compared value was reduced from
+
+
+def _rounding_atol(actual: Any, expected: Any, products: Products = ()) -> float:
     """The error that rounding alone leaves in an entry of ``actual`` where it is computed below
     float64: a few rounding units of the largest entry of ``expected``. An entry that is a
     cancellation of terms of that size (an attention key bias's second derivative, exactly 0)
-    keeps noise of their size, far above ``atol`` in a float32 model whose Hessian is of size 60."""
+    keeps noise of their size, far above ``atol`` in a float32 model whose Hessian is of size 60.
+
+    A value reduced to a float64 inner product (``<gradient, u>``) no longer shows the dtype it
+    was computed in: ``products`` names each ``(tree, direction)`` it came from (direction None:
+    the tree is the value itself). A bfloat16 gradient was held to float64's rounding, and failed,
+    where the same model's pushforward, compared in its own dtype, passed. Its entries' rounding
+    errors add up in the product like independent ones: a few rounding units of the root sum of
+    squares of the terms (measured: at most 1.6 units for right bfloat16 and float16 gradients,
+    at least 3 for one 50% off, in most directions far more), not 16 of their sum, which would
+    pass a gradient 50% off."""
+    if products:
+        floating = tuple(leaf for tree, _ in products for leaf in flatten(tree)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")
+        eps = _coarsest_rounding(_low_precision(floating))
+        terms = [_dot(_squares(tree), _squares(direction)) if direction is not None else _sum(_squares(tree)) for tree, direction in products]
+        return 4 * eps * max((float(np.sqrt(t)) for t in terms if np.isfinite(t)), default=0.0)
     eps = _coarsest_rounding(_low_precision(tuple(leaf for leaf in flatten(actual)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")))
     magnitudes = [np.abs(to_float64(leaf)) for leaf in flatten(expected)[0] if arrays.is_array(leaf) or isinstance(leaf, float)]
     scale = max((float(np.max(m[np.isfinite(m)], initial=0.0)) for m in magnitudes), default=0.0)
     return 16 * eps * scale
+
+
+def _squares(tree: Any) -> Any:
+    """``tree`` with each array leaf replaced by its float64 square."""
+    leaves, spec = flatten(tree)
+    return unflatten(spec, [np.square(to_float64(leaf)) if arrays.is_array(leaf) else leaf for leaf in leaves])
 
 
 def _finite(tree: Any) -> bool:
@@ -334,6 +358,11 @@ def _dot(a: Any, b: Any) -> float:
         if arrays.is_array(x) and arrays.is_array(y):
             total += float(np.sum(to_float64(x) * to_float64(y)))
     return np.float64(total)
+
+
+def _sum(a: Any) -> float:
+    """The float64 sum of every entry of the arrays of ``a``."""
+    return np.float64(sum(float(np.sum(to_float64(x))) for x in flatten(a)[0] if arrays.is_array(x)))
 
 
 __all__ = ["check", "CheckReport"]
