@@ -13,7 +13,10 @@ was a static leaf (refused as Active, a mismatch for a new one in a prepared cal
 empty State. NNX's convention now holds for every ``nnx.Pytree``. The testing kit's ``check``
 failed a right bfloat16 / float16 gradient: ``<gradient, u>`` was reduced to float64 before the
 comparison and held to float64's rounding (the same model's pushforward passed); it now allows
-the dtype's rounding and still catches a gradient 50% off.
+the dtype's rounding and still catches a gradient 50% off. ``test_differentiation`` held every
+half-precision scenario to atol 1e-5 although ``Scenario`` documents its default tolerance as
+"from the dtypes": every operator failed; the default now allows the dtype's rounding, as
+``check`` does (a tolerance set by hand is used as given).
 
 Expected values come from ``nnx.grad`` / ``nnx.value_and_grad``, ``eqx.filter_grad`` and
 ``jax.grad`` / ``jax.jvp`` / ``jax.jacobian`` written out here, never from ``activity``; the user's
@@ -381,3 +384,42 @@ def test_check_on_a_half_precision_model_allows_its_rounding_and_still_catches_a
 
     with pytest.raises(AssertionError, match=r"FAIL  <gradient, u\d> on AutoJAX\(\)"):
         check(wrong, Active(model), Constant(x), operators=["gradient", "pullback"], directions=2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_differentiation_on_half_precision_scenarios_defaults_to_their_rounding(dtype):
+    # Scenario's tolerance is documented "default: from the dtypes", but was 1e-5 for every dtype:
+    # each operator on a half-precision model failed against the float64 reference.
+    import equinox as eqx
+
+    from activity.testing import Scenario, test_differentiation
+
+    layer = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=getattr(jnp, dtype))
+    x = normal(13, 5, 3).astype(dtype)
+    tangent = jax.tree_util.tree_map(jnp.ones_like, eqx.filter(layer, eqx.is_inexact_array))
+
+    def outputs(m, x):
+        return jnp.tanh(jax.vmap(m)(x))
+
+    def loss(m, x):
+        return jnp.sum(outputs(m, x) ** 2)
+
+    scenarios = [
+        Scenario("gradient", loss, (Active(layer), Constant(x)), name="gradient"),
+        Scenario("hvp", loss, (Active(layer), Constant(x)), tangent=tangent, name="hvp"),
+        Scenario("jacobian", outputs, (Active(layer), Constant(x)), name="jacobian"),
+        Scenario("pullback", outputs, (Active(layer), Constant(x)), tangent=jnp.ones((5, 2), dtype), name="pullback"),
+    ]
+    assert test_differentiation([ad.AutoJAX()], scenarios).counts()["pass"] == 4
+
+    @jax.custom_vjp
+    def off_tanh(y):  # its derivative 50% too large
+        return jnp.tanh(y)
+
+    off_tanh.defvjp(lambda y: (jnp.tanh(y), y), lambda y, g: (1.5 * g * (1 - jnp.tanh(y) ** 2),))
+    wrong = Scenario("gradient", lambda m, x: jnp.sum(off_tanh(jax.vmap(m)(x)) ** 2), (Active(layer), Constant(x)), name="wrong")
+    with pytest.raises(AssertionError, match="AutoJAX on wrong"):
+        test_differentiation([ad.AutoJAX()], [wrong])
+    strict = Scenario("gradient", loss, (Active(layer), Constant(x)), name="strict", atol=1e-5)  # as given
+    with pytest.raises(AssertionError, match="AutoJAX on strict"):
+        test_differentiation([ad.AutoJAX()], [strict])

@@ -27,8 +27,8 @@ from .._errors import RAISED_BY_F
 from .._problem import describe_type
 from .._tree import flatten, unflatten
 from ..backends import resolve_backend
-from ..backends._finite_differences import AutoFiniteDifferences, _coarsest_rounding, _low_precision
-from ._compare import assert_tree_allclose, run_reference, to_float64
+from ..backends._finite_differences import AutoFiniteDifferences
+from ._compare import Products, assert_tree_allclose, rounding_atol as _rounding_atol, run_reference, to_float64
 
 _SMALL = 64  # at most this many inputs and outputs: full Jacobians and Hessians are compared too
 
@@ -264,40 +264,6 @@ def _agrees(gradient: Any, u: Any, ref_jvp: Any, rtol: float, atol: float) -> bo
     return True
 
 
-Products = tuple[tuple[Any, Any], ...]  # (tree, direction): an inner product a compared value was reduced from
-
-
-def _rounding_atol(actual: Any, expected: Any, products: Products = ()) -> float:
-    """The error that rounding alone leaves in an entry of ``actual`` where it is computed below
-    float64: a few rounding units of the largest entry of ``expected``. An entry that is a
-    cancellation of terms of that size (an attention key bias's second derivative, exactly 0)
-    keeps noise of their size, far above ``atol`` in a float32 model whose Hessian is of size 60.
-
-    A value reduced to a float64 inner product (``<gradient, u>``) no longer shows the dtype it
-    was computed in: ``products`` names each ``(tree, direction)`` it came from (direction None:
-    the tree is the value itself). A bfloat16 gradient was held to float64's rounding, and failed,
-    where the same model's pushforward, compared in its own dtype, passed. Its entries' rounding
-    errors add up in the product like independent ones: a few rounding units of the root sum of
-    squares of the terms (measured: at most 1.6 units for right bfloat16 and float16 gradients,
-    at least 3 for one 50% off, in most directions far more), not 16 of their sum, which would
-    pass a gradient 50% off."""
-    if products:
-        floating = tuple(leaf for tree, _ in products for leaf in flatten(tree)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")
-        eps = _coarsest_rounding(_low_precision(floating))
-        terms = [_dot(_squares(tree), _squares(direction)) if direction is not None else _sum(_squares(tree)) for tree, direction in products]
-        return 4 * eps * max((float(np.sqrt(t)) for t in terms if np.isfinite(t)), default=0.0)
-    eps = _coarsest_rounding(_low_precision(tuple(leaf for leaf in flatten(actual)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")))
-    magnitudes = [np.abs(to_float64(leaf)) for leaf in flatten(expected)[0] if arrays.is_array(leaf) or isinstance(leaf, float)]
-    scale = max((float(np.max(m[np.isfinite(m)], initial=0.0)) for m in magnitudes), default=0.0)
-    return 16 * eps * scale
-
-
-def _squares(tree: Any) -> Any:
-    """``tree`` with each array leaf replaced by its float64 square."""
-    leaves, spec = flatten(tree)
-    return unflatten(spec, [np.square(to_float64(leaf)) if arrays.is_array(leaf) else leaf for leaf in leaves])
-
-
 def _finite(tree: Any) -> bool:
     """Whether every floating value of ``tree`` is finite."""
     return all(
@@ -359,10 +325,6 @@ def _dot(a: Any, b: Any) -> float:
             total += float(np.sum(to_float64(x) * to_float64(y)))
     return np.float64(total)
 
-
-def _sum(a: Any) -> float:
-    """The float64 sum of every entry of the arrays of ``a``."""
-    return np.float64(sum(float(np.sum(to_float64(x))) for x in flatten(a)[0] if arrays.is_array(x)))
 
 
 __all__ = ["check", "CheckReport"]
