@@ -13,7 +13,8 @@ was a static leaf (refused as Active, a mismatch for a new one in a prepared cal
 empty State. NNX's convention now holds for every ``nnx.Pytree``. The testing kit's ``check``
 failed a right bfloat16 / float16 gradient: ``<gradient, u>`` was reduced to float64 before the
 comparison and held to float64's rounding (the same model's pushforward passed); it now allows
-the dtype's rounding and still catches a gradient 50% off. ``test_differentiation`` held every
+the dtype's rounding and still catches a gradient 50% off. The kit's intact check saw an
+``nnx.Object`` argument as one opaque leaf: a write to its variables went unseen. ``test_differentiation`` held every
 half-precision scenario to atol 1e-5 although ``Scenario`` documents its default tolerance as
 "from the dtypes": every operator failed; the default now allows the dtype's rounding, as
 ``check`` does (a tolerance set by hand is used as given).
@@ -111,12 +112,16 @@ def test_nnx_object_that_is_no_pytree_as_active_and_as_a_new_constant_to_a_prepa
         return jnp.sum(stats.lin(w[None] * stats.s[...]) ** 2) + jnp.sum(w * stats.s[...])
 
     w, a, b = normal(2, 3), Stats([1.0, 1.0, 1.0]), Stats([5.0, -3.0, 0.5])
-    before = nnx_snapshot(b)
+    before, check = nnx_snapshot(b), untouched(Active(w), Constant(b))
     prepared = ad.prepare(ad.gradient, loss, Active(w), Constant(a))
     assert_trees(prepared(w, b), jax.grad(loss)(w, b))
     expected = nnx.grad(lambda stats, w: loss(w, stats))(nnx.clone(b), w)
     assert_trees(ad.gradient(lambda stats, w: loss(w, stats), Active(b), Constant(w)), expected)
     assert_same_state(before, nnx_snapshot(b))
+    assert check()
+    # The kit's intact check looks inside such an object (it saw one leaf, and no change to it).
+    b.s[...] = jnp.zeros(3)
+    assert not check()
 
 
 def test_nnx_rngs_inside_an_active_pytree_gets_the_empty_state_nnx_grad_gives():
