@@ -326,5 +326,4 @@ def _dot(a: Any, b: Any) -> float:
     return np.float64(total)
 
 
-
 __all__ = ["check", "CheckReport"]

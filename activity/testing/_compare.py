@@ -185,7 +185,10 @@ def rounding_atol(actual: Any, expected: Any, products: Products = ()) -> float:
         terms = [_inner(_squares(tree), _squares(direction)) if direction is not None else _entry_sum(_squares(tree)) for tree, direction in products]
         return 4 * eps * max((float(np.sqrt(t)) for t in terms if np.isfinite(t)), default=0.0)
     eps = _coarsest_rounding(_low_precision(tuple(leaf for leaf in flatten(actual)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")))
-    magnitudes = [np.abs(to_float64(leaf)) for leaf in flatten(expected)[0] if arrays.is_array(leaf) or isinstance(leaf, float)]
+    if not eps:
+        return 0.0
+    # floating leaves only: an aux may hold a PRNG key, which has no float64 value
+    magnitudes = [np.abs(to_float64(leaf)) for leaf in flatten(expected)[0] if (arrays.is_array(leaf) and arrays.dtype_kind(leaf) in "fc") or isinstance(leaf, float)]
     scale = max((float(np.max(m[np.isfinite(m)], initial=0.0)) for m in magnitudes), default=0.0)
     return 16 * eps * scale
 
@@ -204,5 +207,3 @@ def _inner(a: Any, b: Any) -> float:
 def _entry_sum(a: Any) -> float:
     """The float64 sum of every entry of the arrays of ``a``."""
     return float(sum(float(np.sum(to_float64(x))) for x in flatten(a)[0] if arrays.is_array(x)))
-
-
