@@ -39,7 +39,19 @@ does); every operator under ``jax.numpy_dtype_promotion('strict')``,
 ``jax.numpy_rank_promotion('raise')``, ``jax.debug_nans``, ``jax.checking_leaks`` and
 ``jax.disable_jit`` (``transfer_guard('disallow')`` refuses the unprepared calls, which run
 eagerly as raw ``jax.grad`` does and fails the same way; prepared calls pass). NNX's
-experimental ``hijax`` and ``ref`` variables fail under raw ``nnx.grad`` too, not kept.
+experimental ``hijax`` and ``ref`` variables fail under raw ``nnx.grad`` too, not kept. Also: NNX
+layers stacked by ``nnx.vmap`` + ``split_rngs`` and run by ``nnx.scan`` with dropout (prepared,
+``where=`` on the head, the mismatch after ``eval()`` naming ``deterministic``, hvp); an
+``nnx.MultiMetric`` updated inside f as a Constant; Linen ``nn.remat(static_argnums=...)`` and
+``nn.jit`` blocks with ``capture_intermediates`` (hvp), a ``cache`` collection, a Dense applied
+twice (hessian); Haiku ``data_structures.partition`` / ``merge`` in f, ``where=`` on Haiku params,
+``hk.MultiHeadAttention`` prepared hvp; an ``eqx.nn.State`` as Active (gradient, hvp); optax
+losses (integer-label softmax cross-entropy, sigmoid focal, Huber, hinge, KL, ``safe_norm``,
+``tree_l2_norm``) and ``jax.nn.relu`` at its kink under gradient, hvp, pushforward and prepared
+calls; a BCOO Constant given a new sparsity with another ``nse`` (strict: a mismatch, though the
+path reads ``[<flat index 0>]``, JAX's name for a child of a node without keys; lenient:
+re-prepared, right) and a ``sparsify``'d hessian; ``jax.config`` unchanged after finite
+differences, ``check`` and ``test_differentiation`` with x64 on, off, and strict promotion.
 """
 
 from __future__ import annotations
