@@ -48,9 +48,9 @@ twice (hessian); Haiku ``data_structures.partition`` / ``merge`` in f, ``where=`
 ``hk.MultiHeadAttention`` prepared hvp; an ``eqx.nn.State`` as Active (gradient, hvp); optax
 losses (integer-label softmax cross-entropy, sigmoid focal, Huber, hinge, KL, ``safe_norm``,
 ``tree_l2_norm``) and ``jax.nn.relu`` at its kink under gradient, hvp, pushforward and prepared
-calls; a BCOO Constant given a new sparsity with another ``nse`` (strict: a mismatch, though the
-path reads ``[<flat index 0>]``, JAX's name for a child of a node without keys; lenient:
-re-prepared, right) and a ``sparsify``'d hessian; ``jax.config`` unchanged after finite
+calls; a BCOO Constant given a new sparsity with another ``nse`` (lenient: re-prepared, right;
+strict: a mismatch, kept below: its path read ``[<flat index 0>]``, JAX's name for a child of a
+node registered without keys, and now names the attribute, ``.data``) and a ``sparsify``'d hessian; ``jax.config`` unchanged after finite
 differences, ``check`` and ``test_differentiation`` with x64 on, off, and strict promotion.
 """
 
@@ -440,3 +440,25 @@ def test_differentiation_on_half_precision_scenarios_defaults_to_their_rounding(
     strict = Scenario("gradient", loss, (Active(layer), Constant(x)), name="strict", atol=1e-5)  # as given
     with pytest.raises(AssertionError, match="AutoJAX on strict"):
         test_differentiation([ad.AutoJAX()], [strict])
+
+
+# ------------------------------------------------------------------ jax.experimental.sparse
+
+
+def test_bcoo_constant_with_another_sparsity_names_its_data_in_the_mismatch():
+    from jax.experimental import sparse
+
+    def loss(w, m):
+        return jnp.sum(jnp.tanh(m @ w) ** 2)
+
+    dense = normal(14, 6, 4)
+    m1 = sparse.BCOO.fromdense(jnp.where(dense > 0.3, dense, 0.0))
+    m2 = sparse.BCOO.fromdense(jnp.where(dense > -0.3, dense, 0.0))
+    assert m1.nse != m2.nse
+    w = normal(15, 4)
+    prepared = ad.prepare(ad.gradient, loss, Active(w), Constant(m1))
+    assert_trees(prepared(w, m1), jax.grad(loss)(w, m1))
+    with pytest.raises(ad.PreparationMismatchError, match=r"argument 1 .* at \.data: expected a jax array of shape \(%d,\)" % m1.nse):
+        prepared(w, m2)
+    lenient = ad.prepare(ad.gradient, loss, Active(w), Constant(m1), strict=False)
+    assert_trees(lenient(w, m2), jax.grad(loss)(w, m2))
