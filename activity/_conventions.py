@@ -16,7 +16,9 @@
   a list of modules), as ``nnx.grad`` treats such an argument: each module is
   differentiated in its ``nnx.Param`` variables and comes back as an ``nnx.State``
   in its place, the other leaves follow the pytree rule, and a variable shared by
-  two of the modules is one parameter, listed under its first one.
+  two of the modules is one parameter, listed under its first one. "Module" here is
+  any NNX graph object (``nnx.Pytree``: a user's subclass, ``nnx.Rngs``, ``nnx.Optimizer``),
+  which ``nnx.grad`` splits the same way.
 - A Penzai model (or any pytree holding Penzai variables): its ``pz.Parameter``
   variables, as Penzai's own recipe (``pz.unbind_params(model, freeze=True)``,
   ``jax.grad`` of the frozen values, ``pz.bind_variables`` inside) and its
@@ -163,8 +165,19 @@ def _as_state(where: Any) -> Any:
     return where
 
 
+def _nnx_object_type(nnx: Any) -> Any:
+    """The base class of NNX's graph objects: ``nnx.Pytree`` (flax 0.11 on), ``nnx.Object`` before.
+    ``nnx.Module`` is one of them, and so are ``nnx.Optimizer``, ``nnx.Rngs`` and a user's own
+    ``class Pair(nnx.Pytree)`` holding ``nnx.Param`` variables or modules: ``nnx.grad`` splits every
+    one of them by its variables' types (``nnx.Param`` by default), so activity does too. Read as a
+    plain pytree, such an object had its batch statistics and optimiser moments differentiated
+    and came back as itself holding gradients, where ``nnx.grad`` gives the Params' ``nnx.State``."""
+    return getattr(nnx, "Pytree", None) or nnx.Object
+
+
 def _is_nnx_module(node: Any) -> bool:
-    return isinstance(node, sys.modules["flax.nnx"].Module)
+    nnx = sys.modules["flax.nnx"]
+    return isinstance(node, _nnx_object_type(nnx))
 
 
 @attrs.frozen(eq=False)
@@ -505,7 +518,7 @@ def adapter_for(value: Any) -> NNXModule | NNXModulesInPytree | KerasModel | Ker
     if _keras_on_jax(value):
         return _KERAS
     nnx = sys.modules.get("flax.nnx")  # a model of a library not imported cannot be this one
-    if nnx is not None and isinstance(value, nnx.Module):
+    if nnx is not None and isinstance(value, _nnx_object_type(nnx)):
         return _NNX
     # The libraries imported (a model of one not imported cannot be in the value), each with what
     # marks its objects; one flatten of the value finds which of them it holds.

@@ -52,8 +52,19 @@ def _register_jax_node(cls: type) -> None:
 
     def flatten(node: Any) -> tuple[list[Any], _JaxNode, tuple[Any, ...]]:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda n: n is not node)
-        entries = tuple(jax.tree_util.keystr(path) for path, _ in pairs)
+        entries = tuple(_entry(node, path, child) for path, child in pairs)
         return [child for _, child in pairs], _JaxNode(treedef), entries
+
+    def _entry(node: Any, path: Any, child: Any) -> str:
+        """A child's path as messages print it. A node registered without keys (a
+        ``jax.experimental.sparse.BCOO``) has its children named ``[<flat index 0>]`` by JAX;
+        where one attribute of the node holds exactly that child (``BCOO.data``), its name
+        (``.data``) says which part of the object a mismatch or a ``where=`` is about."""
+        if len(path) == 1 and isinstance(path[0], jax.tree_util.FlattenedIndexKey):
+            names = [name for name, value in getattr(node, "__dict__", {}).items() if value is child]
+            if len(names) == 1 and names[0].isidentifier() and not names[0].startswith("_"):
+                return "." + str(names[0])
+        return str(jax.tree_util.keystr(path))
 
     optree.register_pytree_node(cls, flatten, lambda node, children: node.treedef.unflatten(children), namespace=NAMESPACE)  # type: ignore[union-attr]
 

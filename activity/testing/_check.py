@@ -27,8 +27,8 @@ from .._errors import RAISED_BY_F
 from .._problem import describe_type
 from .._tree import flatten, unflatten
 from ..backends import resolve_backend
-from ..backends._finite_differences import AutoFiniteDifferences, _coarsest_rounding, _low_precision
-from ._compare import assert_tree_allclose, run_reference, to_float64
+from ..backends._finite_differences import AutoFiniteDifferences
+from ._compare import Products, assert_tree_allclose, rounding_atol as _rounding_atol, run_reference, to_float64
 
 _SMALL = 64  # at most this many inputs and outputs: full Jacobians and Hessians are compared too
 
@@ -119,9 +119,9 @@ def check(
     small = _total(structure) <= _SMALL and _total(output) <= _SMALL
     report = CheckReport()
 
-    def compare(name: str, actual: Any, expected: Any, reference_used: bool) -> None:
+    def compare(name: str, actual: Any, expected: Any, reference_used: bool, products: Products = ()) -> None:
         try:
-            assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected)))
+            assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected, products)))
         except AssertionError as error:
             if reference_used and unreliable:
                 report.unreliable.append(f"{name}: reference unreliable: {unreliable[0]}")
@@ -187,11 +187,11 @@ def check(
             if "pullback" in chosen:
                 vjp = run(f"pullback[v{i}]", lambda v=v: ad.pullback(f, *args, cotangent=v, backend=backend))  # type: ignore[misc]
                 if vjp is not None:
-                    compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True)
+                    compare(f"<pullback(v{i}), u{i}> on {label} vs <v{i}, J u{i}> of the reference", _dot(vjp, u), _dot(v, ref_jvps[i]), True, ((vjp, u), (ref_jvps[i], v)))
             if "gradient" in chosen:
                 grad = run("gradient", lambda: ad.gradient(f, *args, backend=backend))
                 if grad is not None:
-                    compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True)
+                    compare(f"<gradient, u{i}> on {label} vs reference", _dot(grad, u), to_float64(ref_jvps[i]), True, ((grad, u), (ref_jvps[i], None)))
             if "hvp" in chosen:
                 hvp = run(f"hvp[u{i}]", lambda u=u: ad.hvp(f, *args, tangent=u, backend=backend))  # type: ignore[misc]
                 if hvp is not None:
@@ -256,22 +256,12 @@ def _agrees(gradient: Any, u: Any, ref_jvp: Any, rtol: float, atol: float) -> bo
     if gradient is None:
         return False
     actual, expected = _dot(gradient, u), to_float64(ref_jvp)
+    products = ((gradient, u), (ref_jvp, None))
     try:  # the tolerances `compare` gives the gradient's own check, so the two never disagree
-        assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected)))
+        assert_tree_allclose(actual, expected, rtol=rtol, atol=max(atol, _rounding_atol(actual, expected, products)))
     except AssertionError:
         return False
     return True
-
-
-def _rounding_atol(actual: Any, expected: Any) -> float:
-    """The error that rounding alone leaves in an entry of ``actual`` where it is computed below
-    float64: a few rounding units of the largest entry of ``expected``. An entry that is a
-    cancellation of terms of that size (an attention key bias's second derivative, exactly 0)
-    keeps noise of their size, far above ``atol`` in a float32 model whose Hessian is of size 60."""
-    eps = _coarsest_rounding(_low_precision(tuple(leaf for leaf in flatten(actual)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")))
-    magnitudes = [np.abs(to_float64(leaf)) for leaf in flatten(expected)[0] if arrays.is_array(leaf) or isinstance(leaf, float)]
-    scale = max((float(np.max(m[np.isfinite(m)], initial=0.0)) for m in magnitudes), default=0.0)
-    return 16 * eps * scale
 
 
 def _finite(tree: Any) -> bool:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .. import _arrays as arrays
-from .._tree import flatten, leaf_paths
+from .._tree import flatten, leaf_paths, unflatten
 
 
 def to_float64(leaf: Any) -> np.ndarray:
@@ -158,3 +158,52 @@ def run_reference(call: Callable[[], Any]) -> tuple[Any, str | None]:
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return result, reason
+
+
+Products = tuple[tuple[Any, Any], ...]  # (tree, direction): an inner product a compared value was reduced from
+
+
+def rounding_atol(actual: Any, expected: Any, products: Products = ()) -> float:
+    """The error that rounding alone leaves in an entry of ``actual`` where it is computed below
+    float64: a few rounding units of the largest entry of ``expected``. An entry that is a
+    cancellation of terms of that size (an attention key bias's second derivative, exactly 0)
+    keeps noise of their size, far above ``atol`` in a float32 model whose Hessian is of size 60.
+
+    A value reduced to a float64 inner product (``<gradient, u>``) no longer shows the dtype it
+    was computed in: ``products`` names each ``(tree, direction)`` it came from (direction None:
+    the tree is the value itself). A bfloat16 gradient was held to float64's rounding, and failed,
+    where the same model's pushforward, compared in its own dtype, passed. Its entries' rounding
+    errors add up in the product like independent ones: a few rounding units of the root sum of
+    squares of the terms (measured: at most 1.6 units for right bfloat16 and float16 gradients,
+    at least 3 for one 50% off, in most directions far more), not 16 of their sum, which would
+    pass a gradient 50% off."""
+    from ..backends._finite_differences import _coarsest_rounding, _low_precision
+
+    if products:
+        floating = tuple(leaf for tree, _ in products for leaf in flatten(tree)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")
+        eps = _coarsest_rounding(_low_precision(floating))
+        terms = [_inner(_squares(tree), _squares(direction)) if direction is not None else _entry_sum(_squares(tree)) for tree, direction in products]
+        return 4 * eps * max((float(np.sqrt(t)) for t in terms if np.isfinite(t)), default=0.0)
+    eps = _coarsest_rounding(_low_precision(tuple(leaf for leaf in flatten(actual)[0] if arrays.is_array(leaf) and arrays.dtype_kind(leaf) == "f")))
+    if not eps:
+        return 0.0
+    # floating leaves only: an aux may hold a PRNG key, which has no float64 value
+    magnitudes = [np.abs(to_float64(leaf)) for leaf in flatten(expected)[0] if (arrays.is_array(leaf) and arrays.dtype_kind(leaf) in "fc") or isinstance(leaf, float)]
+    scale = max((float(np.max(m[np.isfinite(m)], initial=0.0)) for m in magnitudes), default=0.0)
+    return 16 * eps * scale
+
+
+def _squares(tree: Any) -> Any:
+    """``tree`` with each array leaf replaced by its float64 square."""
+    leaves, spec = flatten(tree)
+    return unflatten(spec, [np.square(to_float64(leaf)) if arrays.is_array(leaf) else leaf for leaf in leaves])
+
+
+def _inner(a: Any, b: Any) -> float:
+    """The float64 inner product of two trees of the same structure (None leaves skipped)."""
+    return float(sum(float(np.sum(to_float64(x) * to_float64(y))) for x, y in zip(flatten(a)[0], flatten(b)[0]) if arrays.is_array(x) and arrays.is_array(y)))
+
+
+def _entry_sum(a: Any) -> float:
+    """The float64 sum of every entry of the arrays of ``a``."""
+    return float(sum(float(np.sum(to_float64(x))) for x in flatten(a)[0] if arrays.is_array(x)))

@@ -23,12 +23,31 @@ def _copy(leaf: Any) -> Any:
             [m.training for m in leaf.modules()],
             [tuple(len(getattr(m, name, ())) for name in _HOOKS) for m in leaf.modules()],
         )
+    state = _nnx_state(leaf)
+    if state is not None:
+        return ("nnx", state[1], [_copy(x) for x in state[0]])
     if arrays.is_array(leaf):
         key = _key_data(leaf)
         if key is not None:
             return ("key", str(leaf.dtype), key)  # the implementation too: other bits of another kind differ
         return ("array", np.array(leaf, copy=True))
     return ("other", leaf)
+
+
+def _nnx_state(leaf: Any) -> tuple[list[Any], Any] | None:
+    """The leaves and structure of an NNX graph object's state where the object is a leaf here:
+    an ``nnx.Object`` is no pytree, so its variables were never looked at and a change to them
+    (a BatchStat written, an RNG count advanced) went unseen. None for anything else (a pytree
+    NNX object is flattened into its variables before it gets here)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return None
+    from .._conventions import _nnx_object_type
+
+    if not isinstance(leaf, _nnx_object_type(nnx)):
+        return None
+    leaves, structure = sys.modules["jax"].tree_util.tree_flatten(nnx.state(leaf))
+    return leaves, structure
 
 
 def _key_data(leaf: Any) -> Any:
@@ -63,6 +82,9 @@ def _same(before: Any, leaf: Any) -> bool:
         return False
     if kind == "array":
         return before[1].dtype == now[1].dtype and np.array_equal(before[1], now[1], equal_nan=True)
+    if kind == "nnx":
+        state = _nnx_state(leaf)
+        return state is not None and state[1] == before[1] and all(_same(old, x) for old, x in zip(before[2], state[0]))
     if kind == "key":
         return before[1] == now[1] and np.array_equal(before[2], now[2])
     if kind == "tensor":
