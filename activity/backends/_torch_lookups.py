@@ -34,10 +34,13 @@ _ATEN = ("weight", "indices", "padding_idx")
 
 
 def holds_lookups(module: Any) -> bool:
-    """Whether a module may look rows up with a padding index: it keeps a ``padding_idx`` in its
-    own ``__dict__`` (``nn.Embedding`` does, as do the embedding modules of model libraries that
-    call ``F.embedding`` themselves; checked by key, not value, since it may be set later)."""
-    return "padding_idx" in module.__dict__
+    """Whether a module looks rows up with a padding index: it keeps a ``padding_idx`` other
+    than None in its own ``__dict__`` (``nn.Embedding(padding_idx=...)`` does, as do the
+    embedding modules of model libraries that call ``F.embedding`` themselves). Every
+    ``nn.Embedding`` has the attribute, most hold None: their forward passes, which the
+    rewrite's torch-function mode would slow down op by op, run as they are. The value is
+    read when the module is described; one set later takes effect from the next description."""
+    return module.__dict__.get("padding_idx") is not None
 
 
 def _problem_of(F: Any) -> Any:
