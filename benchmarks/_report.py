@@ -216,10 +216,12 @@ signature, or with annotated arguments, reaches the checked path with the caller
 arguments). Where the result is not what JAX would give back (a dict whose keys JAX
 sorts, a mask's `None`), its arrays leave the compiled call as a flat tuple, and the
 structure JAX's dispatch rebuilds in C++ after each call is one built from the result,
-its dict keys in the argument's order. No Python frame of activity's runs on such a call;
-what a row still shows is noise, and the keyword by which our side passes a tangent or
-cotangent (the raw side passes it by position; JAX's dispatch takes keywords a little
-more slowly). A result holding other containers (a namedtuple, a custom node), a model
+its dict keys in the argument's order. No Python frame of activity's runs on such a call.
+What a row still shows is noise, and, on `pullback`, `pushforward` and `hvp`, the keyword by
+which a prepared call takes its tangent or cotangent: JAX's C++ dispatch takes an argument
+by keyword about 0.7 us more slowly than by position, which the raw side uses. On the
+8 us `hvp` of a vector that alone is 9 %; it stays while the prepared call's signature is
+`f`'s arguments followed by named tangents. A result holding other containers (a namedtuple, a custom node), a model
 with non-array leaves (an Equinox module) and `f` calling back into Python keep one frame
 of activity's. The masked-gradient rows compare two prepared calls whose results are
 rebuilt differently (a nested structure with `None` against a two-key dict).
