@@ -436,7 +436,7 @@ class Problem:
                 selected.append(bool(marks[index]))
         if not any(selected):
             # an NNX module's own variable types are data, out of where='s reach: say how to reach them
-            note = adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
+            note = _data_note(adapter, split)
             raise TypeError(
                 f"{label} selects nothing to differentiate. Mark the argument Constant(...) if none of it is "
                 f"differentiated, or change where= (it is called as where(path, leaf) with paths such as "
@@ -537,7 +537,7 @@ class Problem:
         if kind == "active" and DIFF not in roles and not any(
             self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
         ):
-            note = adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
+            note = _data_note(adapter, split)
             raise TypeError(
                 f"activity.{self.op_name}: {self.label(position)} {_nothing_to_differentiate(value, leaves)}"
                 + (f" {note}" if note else "")
@@ -1113,6 +1113,13 @@ def _static_number_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> s
         " A Python number is compiled in as a static value; make it an array (jnp.asarray, "
         "torch.tensor) to pass a new one without preparing again."
     )
+
+
+def _data_note(adapter: Any, split: Any) -> str | None:
+    """What a convention says of the data its ``split`` left out of an Active argument with
+    nothing to differentiate (an NNX module's variables of the user's own types), or None
+    (another convention, or none: ``split`` is then None)."""
+    return adapter.data_note(split[2]) if hasattr(adapter, "data_note") else None
 
 
 def _static_identity_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str:

@@ -206,3 +206,32 @@ def test_a_call_back_into_python_keeps_the_python_call():
     with pytest.raises(Exception, match="x\\[0\\] is too large") as caught:
         gradient(p, x + 100.0)
     assert any("runtime check inside f" in note for note in getattr(caught.value, "__notes__", []))
+
+
+def test_flax_linen_and_haiku_parameters_come_back_in_their_own_key_order(dispatch):
+    """Parameters as the libraries build them: Linen's ``kernel`` before ``bias``, Haiku's ``w``
+    before ``b`` (JAX's own results sort both), served from JAX's dispatch after the first call."""
+    nn = pytest.importorskip("flax.linen")
+    hk = pytest.importorskip("haiku")
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.tanh(nn.Dense(8)(x)))
+
+    x = jnp.ones((4, 3))
+    linen = MLP()
+    linen_params = linen.init(jax.random.key(0), x)
+    haiku = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([8, 1])(x)))
+    haiku_params = haiku.init(jax.random.key(0), x)
+    for apply, p in ((linen.apply, linen_params), (haiku.apply, haiku_params)):
+        def loss(p, x, apply=apply):
+            return jnp.sum(jnp.tanh(apply(p, x)) ** 2)
+
+        value_and_gradient = ad.prepare(ad.value_and_gradient, loss, Active(p), Constant(x))
+        for seed in range(3):
+            xs = jnp.asarray(np.random.default_rng(seed).standard_normal((4, 3)), dtype=jnp.float32)
+            value, grad = value_and_gradient(p, xs)
+            assert_same(value, loss(p, xs))
+            assert_same(grad, jax.grad(loss)(p, xs))
+            assert key_order(grad) == key_order(p)

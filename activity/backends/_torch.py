@@ -1117,16 +1117,14 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
             out = call(f, args)
             if loss_guard is not None and loss_guard.check(out):  # a plain 0-d floating tensor on the tape, as before
                 y, spec = out, None
-                clear_grads(leaves)
-                grads = _zeros_for_unused(_folded(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), leaves), xs, op_name)
+                grads = _zeros_for_unused(_engine_grads(engine, (y,), (ones_like(y),), leaves), xs, op_name)
             else:
                 y, spec = _scalar_output(problem, out, tensor_type)
                 if type(y) is tensor_type and engine is not None and y.requires_grad:
                     # `_tape_grads` inlined for the usual scalar loss (a plain tensor): about 1 us a call
                     if y is out and loss_guard is None:
                         loss_guard = tensor_guard([y])
-                    clear_grads(leaves)
-                    grads = _zeros_for_unused(_folded(engine.run_backward((y,), (ones_like(y),), False, False, leaves, True, False), leaves), xs, op_name)
+                    grads = _zeros_for_unused(_engine_grads(engine, (y,), (ones_like(y),), leaves), xs, op_name)
                 else:
                     grads = _tape_grads(y, leaves, xs, op_name)
         finally:
@@ -1289,8 +1287,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
                     if None not in made:
                         guards[:] = made
                 if engine is not None:
-                    clear_grads(leaves)
-                    grads = _zeros_for_unused(_folded(engine.run_backward(ys, cts, False, False, leaves, True, False), leaves), xs, op_name)
+                    grads = _zeros_for_unused(_engine_grads(engine, ys, cts, leaves), xs, op_name)
             else:
                 if seeds is None:
                     seeds = Seeds(cts_given, None, LEAF)
@@ -1539,6 +1536,14 @@ def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool 
             outputs, leaves, cotangents, retain_graph=retain_graph or create_graph, create_graph=create_graph, allow_unused=True
         )
     return _folded(tuple(grads), leaves, create_graph)
+
+
+def _engine_grads(engine: Any, outputs: Flat, cotangents: Flat, leaves: Flat) -> Flat:
+    """The first-order backward pass of a tape call straight on the autograd ``engine``: from
+    leaves without ``.grad``, and with what a backward pass of f's own put there folded in
+    (`_folded`), as `_backward` does for every other call."""
+    clear_grads(leaves)
+    return _folded(engine.run_backward(outputs, cotangents, False, False, leaves, True, False), leaves)
 
 
 @functools.cache

@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import itertools
 import operator
-import operator
 import sys
 import types
 import warnings
@@ -77,7 +76,7 @@ class ModuleDescription:
     layout: tuple[Any, ...]  # types, parameter and buffer layouts: what a prepared operator checks
     has_buffers: bool
     has_inference: bool = False  # a tensor made under torch.inference_mode (cloned in a view)
-    has_lookups: bool = False  # an embedding lookup with a padding index or frequency scaling (`_torch_lookups`)
+    has_lookups: bool = False  # an embedding lookup with a padding index (`_torch_lookups`)
     # For `still_describes`: the parameter, buffer and submodule dicts of every visited
     # module, with the objects each held (empty ones apart), each tensor's metadata, and
     # each module's __dict__: its size (a new instance attribute such as `forward`) and the

@@ -76,15 +76,17 @@ def _equal(a: Any, b: Any) -> bool:
 
 
 def _same(before: Any, leaf: Any) -> bool:
-    now = _copy(leaf)
+    return _same_copies(before, _copy(leaf))
+
+
+def _same_copies(before: Any, now: Any) -> bool:
     kind = before[0]
     if kind != now[0]:
         return False
     if kind == "array":
         return before[1].dtype == now[1].dtype and np.array_equal(before[1], now[1], equal_nan=True)
-    if kind == "nnx":
-        state = _nnx_state(leaf)
-        return state is not None and state[1] == before[1] and all(_same(old, x) for old, x in zip(before[2], state[0]))
+    if kind == "nnx":  # the same structure holds as many variables' values
+        return before[1] == now[1] and all(map(_same_copies, before[2], now[2]))
     if kind == "key":
         return before[1] == now[1] and np.array_equal(before[2], now[2])
     if kind == "tensor":
