@@ -131,6 +131,25 @@ class ReferenceQuantizedWarning(ReferenceUnreliableWarning):
     )
 
 
+
+
+def _refuse_an_outer_tape(xs: Flat, ctx: Flat) -> None:
+    """Finite differences give plain numbers: inside f of an AutoTorch operator that
+    differentiates through them, the outer derivative would silently lose this call's part."""
+    from ._torch import differentiated_by_an_outer_call
+
+    torch = sys.modules["torch"]
+    tensors = [leaf for leaf in (*xs, *ctx) if isinstance(leaf, torch.Tensor)]
+    tensors += [p for leaf in ctx for p in getattr(leaf, "params", ()) if isinstance(p, torch.Tensor)]
+    if any(t.requires_grad for t in tensors) and differentiated_by_an_outer_call():
+        raise UnsupportedError(
+            "activity: AutoFiniteDifferences is called inside f of an AutoTorch operator that differentiates "
+            "through this call, but finite differences give plain numbers that torch cannot differentiate: the "
+            "outer derivative would lose this call's part. Use backend=AutoTorch() (or backend=None) for the "
+            "inner call, or take the outer derivative with AutoFiniteDifferences too."
+        )
+
+
 @attrs.frozen
 class AutoFiniteDifferences(Backend):
     """Central finite differences with a Richardson-extrapolated step, in float64.
@@ -215,6 +234,8 @@ class AutoFiniteDifferences(Backend):
                 "module: it steps real values only (complex differentiation is not supported). Freeze it "
                 "(requires_grad_(False)), or hold it as two real parameters, its real and imaginary parts."
             )
+        if "torch" in sys.modules:
+            _refuse_an_outer_tape(xs, ctx)
         _PLACEMENT.set(_one_device(xs))
         return tuple(_to_float64(x) for x in xs), tuple(_to_float64(c) for c in ctx)
 

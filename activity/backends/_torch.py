@@ -7,7 +7,9 @@ random layers drawing once. Forward mode and batched second order use
 way (no forward-mode rule, a custom `autograd.Function` without
 ``setup_context``, random operations under `vmap`, batching gaps) the backend
 falls back to the tape. Inside an outer `torch.func` transform the tape is
-unavailable, so everything runs through `torch.func` there.
+unavailable, so everything runs through `torch.func` there. A call made
+inside ``f`` of another AutoTorch call is differentiated by it (`_CALL`): it
+records its graph on the outer pass's, and its results stay on it.
 
 Differentiated leaves are never the user's own tensors: fresh ``detach()``
 aliases, so only the Active argument's occurrence is differentiated, even
@@ -63,6 +65,61 @@ def _torch() -> Any:
 
 def _inside_functorch() -> bool:
     return _torch()._C._functorch.maybe_current_level() is not None
+
+
+# Whether the AutoTorch call running in this context keeps its graph: None where no call runs,
+# else whether the call is itself differentiated. A call made while another runs (an operator
+# inside ``f`` of another: a PINN's derivative in the input, a gradient penalty, MAML's inner
+# step) is differentiated by the outer one, so it records its graph on the outer pass's and
+# returns results that stay on it, as ``torch.autograd.grad(create_graph=True)`` does; a call
+# of ``AutoTorch(create_graph=True)`` keeps it for the user's own later backward. A cut there
+# would drop the inner derivative without a word.
+_CALL: contextvars.ContextVar[bool | None] = contextvars.ContextVar("activity_torch_call", default=None)
+_CALL_GET = _CALL.get
+
+
+def _keeps_graph() -> bool:
+    """Whether this call is differentiated by an outer tape pass (see `_CALL`)."""
+    return _CALL_GET() is True
+
+
+def differentiated_by_an_outer_call() -> bool:
+    """Whether an AutoTorch call runs around this point (its f calls the code here): what a
+    backend that cannot stay on the tape (finite differences) refuses."""
+    return _CALL_GET() is not None
+
+
+class _Call:
+    """The context of one AutoTorch call (`AutoTorch.context`): it keeps its graph where another
+    call runs around it or the backend says so, and tells the calls made inside it that they run
+    inside one. A fresh object per call: calls nest and run in threads."""
+
+    __slots__ = ("create_graph", "token", "inner")
+
+    def __init__(self, create_graph: bool, inner: contextlib.AbstractContextManager[Any] | None) -> None:
+        self.create_graph, self.inner = create_graph, inner
+
+    def __enter__(self) -> None:
+        self.token = _CALL.set(self.create_graph or _CALL_GET() is not None)
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(*exc)
+        finally:
+            _CALL.reset(self.token)
+
+
+def _evaluating(call: Callable[..., Any], f: Callable[..., Any], args: Any) -> Any:
+    """``call(f, args)`` marked as an AutoTorch call's evaluation of f, for the fast paths, which
+    take no `_Call` (they serve only calls that are not differentiated, see `_usable`)."""
+    token = _CALL.set(False)
+    try:
+        return call(f, args)
+    finally:
+        _CALL.reset(token)
 
 
 # torch's forward-AD levels are process-global: two threads in torch.func.jvp corrupt each other.
@@ -188,9 +245,7 @@ def _disconnected(op_name: str | None) -> ValueError:
         f"{where} (AutoTorch): f's output does not depend on the Active argument(s) through operations "
         f"torch can differentiate, so torch has no derivative to give. Likely causes inside f: .item(), "
         f".tolist(), .numpy() or torch.tensor(...) on a computed value, .detach(), torch.no_grad(), or "
-        f".requires_grad_(False) on an input, or an activity operator called inside f (its result is off the "
-        f"tape: for a second derivative call activity.hessian, hvp or second_derivative on the inner f, or "
-        f"differentiate the outer one in forward mode, activity.pushforward). An Active tensor that f reaches "
+        f".requires_grad_(False) on an input. An Active tensor that f reaches "
         f"through a Constant module, or captures, is data there (only the Active occurrence is differentiated): "
         f"pass the module itself as Active(module, where=...). Keep the computation in torch tensors; if f "
         f"really does not depend on these arguments, mark them Constant(...)."
@@ -222,6 +277,12 @@ class AutoTorch(Backend):
         randomness: `torch.func.vmap`'s ``randomness`` for vectorised batches:
             ``"error"`` (random operations under `vmap` fall back to the tape, which
             draws once for the whole batch), ``"different"`` or ``"same"``.
+        create_graph: keep every result on the autograd graph, as
+            ``torch.autograd.grad(create_graph=True)`` does, for a backward pass of the
+            user's own through it (a gradient penalty in a plain training loop). Without
+            it results are plain tensors, except where an outer activity operator or an
+            outer ``torch.func`` transform differentiates the call: there they stay on the
+            graph whatever this option says, so operators compose.
 
     Raises:
         ValueError: an option is not one of its choices.
@@ -239,6 +300,7 @@ class AutoTorch(Backend):
     hvp_mode: str = attrs.field(default="auto", validator=_in_choices("hvp_mode", _HVP_MODES))
     vectorize: bool | None = attrs.field(default=None, validator=_in_choices("vectorize", (None, True, False)))
     randomness: str = attrs.field(default="error", validator=_in_choices("randomness", ("error", "different", "same")))
+    create_graph: bool = attrs.field(default=False, validator=_in_choices("create_graph", (False, True)))
     framework: ClassVar[str | None] = "torch"
 
     def __attrs_post_init__(self) -> None:
@@ -284,6 +346,8 @@ class AutoTorch(Backend):
         # (Hugging Face Reformer's reversible layers in train mode) accumulated into the user's
         # ``.grad`` otherwise; so does an Active module's view for a parameter ``where=`` leaves out
         # (its differentiated leaves are `fresh_leaf`s, see `_folded`).
+        if _keeps_graph():  # (first: the call's own torch.func transforms keep the outer graph too)
+            return bound_view(module, params, _attached_for_view)
         if _inside_functorch():
             return bound_view(module, params, _alias_for_view)
         return bound_view(module, params, _constant_for_view)
@@ -322,25 +386,40 @@ class AutoTorch(Backend):
             stack = contextlib.ExitStack()
             stack.enter_context(torch.inference_mode(False))
             stack.enter_context(torch.enable_grad())
-            return stack
-        return NO_CONTEXT if torch.is_grad_enabled() else torch.enable_grad()
+            return _Call(self.create_graph, stack)
+        return _Call(self.create_graph, None if torch.is_grad_enabled() else torch.enable_grad())
+
+    def wrap_function(self, F: FlatFunction, xs: Flat) -> FlatFunction:
+        # An operator f calls runs inside this call: see `_CALL`.
+        def evaluated(leaves: Flat) -> tuple[Flat, Any]:
+            token = _CALL.set(_CALL_GET() or False)
+            try:
+                return F(leaves)
+            finally:
+                _CALL.reset(token)
+
+        return derived_from(F, evaluated)
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         if _inside_functorch():
             return xs, ctx  # the outer transform differentiates through them
+        if _keeps_graph():  # the outer pass differentiates through them (see `_CALL`)
+            return tuple(map(_usable_on_the_tape, xs)), tuple(map(_usable_on_the_tape, ctx))
         return tuple(map(_plain, xs)), tuple(map(_plain, ctx))
 
     def finalize(self, result: Any, problem: Any) -> Any:
-        """Results are plain tensors, off every graph, unless an outer transform differentiates the call."""
+        """Results are plain tensors, off every graph, unless an outer transform or an outer
+        activity call differentiates the call (or ``create_graph=True``)."""
         if _inside_functorch():
             return result
         torch = _torch()
+        owned = _attached_result if _keeps_graph() else _owned
         if isinstance(result, torch.Tensor):
-            return _owned(result)
+            return owned(result)
         leaves, spec = flatten(result)
         if not any(isinstance(leaf, torch.Tensor) and (leaf.requires_grad or leaf._is_zerotensor()) for leaf in leaves):
             return result
-        return unflatten(spec, [_owned(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
+        return unflatten(spec, [owned(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves])
 
     def compile_call(
         self, plan: Any, values: tuple[Any, ...], seed_kwargs: dict[Any, Any], retrace: Callable[..., Any] | None = None
@@ -349,6 +428,8 @@ class AutoTorch(Backend):
         if type(self) is not AutoTorch:
             return None
         name, single = plan.operator.name, plan.seeds is None or plan.seeds.batch is None
+        if self.create_graph:  # the tape paths below return plain results
+            return CompiledCall(_checked_pipeline(plan))
         if name in ("gradient", "value_and_gradient") and not plan.options.get("has_aux"):
             run, f = _tape_gradient(plan.problem, name), plan.f
             return CompiledCall(functools.partial(run, f))  # C-level: no frame of ours before `run`
@@ -362,7 +443,7 @@ class AutoTorch(Backend):
     def reusable_call(self, plan: Any) -> Callable[..., Any] | None:
         # Only signatures of lone tensors and modules: the call holds no static value of the user's.
         name = plan.operator.name
-        if type(self) is not AutoTorch or plan.options.get("has_aux"):
+        if type(self) is not AutoTorch or plan.options.get("has_aux") or self.create_graph:
             return None
         if name in ("gradient", "value_and_gradient"):
             run = _tape_gradient(plan.problem, name, fallback=False)
@@ -380,8 +461,8 @@ class AutoTorch(Backend):
         # Inputs on the graph of an outer pass of the tape (forward mode made from this pullback,
         # `_tape_jvp`, inside a derivative of f the tape differentiates again): this pass records
         # its graph on theirs, else the outer pass sees a derivative cut from them, a zero.
-        outer = any(x.requires_grad for x in xs) and _torch().is_grad_enabled()
-        leaves = tuple(x.view_as(x) for x in xs) if outer else tuple(map(_tape_leaf, xs))
+        outer = _keeps_graph() or (any(x.requires_grad for x in xs) and _torch().is_grad_enabled())
+        leaves = tuple(x.view_as(x) if x.requires_grad else _tape_leaf(x) for x in xs) if outer else tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
         connected = [i for i, y in enumerate(ys) if y.requires_grad]
         if not connected:
@@ -411,16 +492,18 @@ class AutoTorch(Backend):
                 return _loop(one, cts)
             return _batched(one, cts, self, getattr(F, "problem", None), tuple(outputs))
 
-        return tuple(y.detach() for y in ys), aux, pull
+        return (ys if outer else tuple(y.detach() for y in ys)), aux, pull
 
     def value_and_grad(self, F: FlatFunction, xs: Flat) -> tuple[Flat, Any, Flat]:
         torch = _torch()
         if _inside_functorch():
             grads, (ys, aux) = torch.func.grad(_scalar_with_aux(F), has_aux=True)(xs)
             return ys, aux, grads
+        keep = _keeps_graph()
         leaves = tuple(map(_tape_leaf, xs))
         ys, aux = F(leaves)
-        return (ys[0].detach(),), aux, _tape_grads(ys[0], leaves, xs, getattr(F, "op_name", None))
+        grads = _tape_grads(ys[0], leaves, xs, getattr(F, "op_name", None), keep)
+        return (ys[0] if keep else ys[0].detach(),), aux, grads
 
     def gradient_function(self, F: FlatFunction) -> FlatFunction:
         torch = _torch()
@@ -531,6 +614,25 @@ def _plain(leaf: Any) -> Any:
     return torch.nn.Parameter(leaf.detach(), requires_grad=False) if type(leaf) is torch.nn.Parameter else leaf.detach()
 
 
+def _usable_on_the_tape(leaf: Any) -> Any:
+    """`_plain` for a call an outer pass differentiates: the tensor stays on the outer graph."""
+    torch = _torch()
+    if isinstance(leaf, torch.Tensor) and leaf.is_inference():
+        return leaf.clone()
+    return leaf
+
+
+def _attached_for_view(t: Any) -> Any:
+    """`_constant_for_view` for a call an outer pass differentiates: a tensor on the outer graph
+    (the outer call's leaf, or what f computed from one) stays on it, as itself."""
+    return t if t.requires_grad and not t.is_inference() else _copy_for_view(t)
+
+
+def _attached_result(result: Any) -> Any:
+    """`_owned` for a call an outer pass differentiates: the result stays on the graph."""
+    return _torch().zeros_like(result) if result._is_zerotensor() else result
+
+
 def _copy_for_view(t: Any) -> Any:
     """What a view holds for a tensor it does not differentiate: a buffer copy f may update
     (BatchNorm statistics), a frozen parameter as it is (made usable outside inference mode)."""
@@ -570,7 +672,11 @@ class _DualWatch:
 
 def _tape_leaf(x: Any) -> Any:
     """A fresh tensor the tape differentiates: never the user's own, so no other use of the
-    same tensor (a Constant, a tied module, a closure) is differentiated with it."""
+    same tensor (a Constant, a tied module, a closure) is differentiated with it. Where an outer
+    pass differentiates the call (`_keeps_graph`), a tensor on that pass's graph gets a view of
+    itself instead, which stays on it (its derivative reaches the outer pass)."""
+    if x.requires_grad and _keeps_graph():
+        return x.view_as(x)
     if _DualWatch.open and _torch().autograd.forward_ad.unpack_dual(x).tangent is not None:
         _DualWatch.dropped = True
     if x.is_inference():
@@ -886,6 +992,7 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
     """Reverse over reverse on the tape: one backward pass with ``create_graph``, then one
     more per tangent (a batch vectorised with `vmap` over it)."""
     torch = _torch()
+    keep = _keeps_graph()
     leaves = tuple(map(_tape_leaf, xs))
     ys, aux = F(leaves)
     grads, live = _gradient_with_graph(ys[0], leaves, xs, getattr(F, "op_name", None), backend.hvp_mode != "auto")
@@ -894,11 +1001,19 @@ def _tape_hvp(backend: AutoTorch, F: FlatFunction, xs: Flat, ts: Flat, batched: 
         hvps = (None,) * len(xs)
         if live:  # the graph is kept for the rows of a batch only
             hvps = torch.autograd.grad(
-                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=batched, allow_unused=True
+                [grads[i] for i in live], leaves, [tangent[i] for i in live], retain_graph=batched or keep,
+                create_graph=keep, allow_unused=True,
             )
         return tuple(map(_materialized, hvps, xs))
 
-    hvps = _batched(one, ts, backend, getattr(F, "problem", None), tuple(grads[i] for i in live)) if batched else one(ts)
+    if not batched:
+        hvps = one(ts)
+    elif keep:  # (as in `vjp`: under vmap the outer pass's graph is not recorded)
+        hvps = _loop(one, ts)
+    else:
+        hvps = _batched(one, ts, backend, getattr(F, "problem", None), tuple(grads[i] for i in live))
+    if keep:
+        return ys, grads, aux, hvps
     detached = tuple(g.detach() for g in grads)
     return tuple(y.detach() for y in ys), detached, aux, tuple(h.detach() for h in hvps)
 
@@ -1079,9 +1194,10 @@ def _modes() -> tuple[Callable[[], bool], Callable[[], bool], Callable[[], Any]]
 
 
 def _usable() -> bool:
-    """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform."""
+    """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform
+    and every other AutoTorch call (which differentiates this one: the generic path keeps the graph)."""
     grad_enabled, inference_mode, functorch_level = _modes()
-    return grad_enabled() and not inference_mode() and functorch_level() is None
+    return grad_enabled() and not inference_mode() and functorch_level() is None and _CALL_GET() is None
 
 
 def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
@@ -1114,7 +1230,7 @@ def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callabl
         del got
         out: Any = None
         try:
-            out = call(f, args)
+            out = _evaluating(call, f, args)
             if loss_guard is not None and loss_guard.check(out):  # a plain 0-d floating tensor on the tape, as before
                 y, spec = out, None
                 grads = _zeros_for_unused(_engine_grads(engine, (y,), (ones_like(y),), leaves), xs, op_name)
@@ -1273,7 +1389,7 @@ def _tape_pullback(problem: Any, operator: Any, seed_key: Any, fallback: bool = 
         traced = None
         grads: Flat | None = None
         try:
-            out = problem.call(f, args)
+            out = _evaluating(problem.call, f, args)
             if (guarded and guards[1].check(out)) or (
                 seeds is None
                 and type(out) is tensor_type
@@ -1460,7 +1576,7 @@ def _tape_hvp_call(plan: Any) -> Callable[..., Any]:
         out: Any = None
         state = _rng_state() if fallback is not None else None
         try:
-            out = problem.call(f, args)
+            out = _evaluating(problem.call, f, args)
             grads, live = _gradient_with_graph(
                 _scalar_output(problem, out, tensor_type)[0], leaves, xs, op_name, cut_is_zero, not checked_once
             )
@@ -1508,13 +1624,13 @@ def _encoded_seeds(encode_seeds: Callable[..., Any], operator: Any, problem: Any
         raise SignatureChanged from None
 
 
-def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None) -> Flat:
+def _tape_grads(y: Any, leaves: Flat, xs: Flat, op_name: str | None, create_graph: bool = False) -> Flat:
     """The gradient of the scalar ``y`` with respect to the tape ``leaves`` made from ``xs``
     (zeros for a leaf ``y`` does not depend on; an error if it depends on none)."""
     if not y.requires_grad:
         raise _disconnected(op_name)
     torch = _torch()
-    return _zeros_for_unused(_backward((y,), (torch.ones_like(y),), leaves), xs, op_name)
+    return _zeros_for_unused(_backward((y,), (torch.ones_like(y),), leaves, create_graph=create_graph), xs, op_name)
 
 
 def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool = False, retain_graph: bool = False) -> Flat:
@@ -1528,14 +1644,16 @@ def _backward(outputs: Flat, cotangents: Flat, leaves: Flat, create_graph: bool 
     torch = _torch()
     engine = _engine()
     tensor = torch.Tensor
-    clear_grads(leaves)
+    own = all(leaf.is_leaf for leaf in leaves)  # views on an outer pass's graph (`_tape_leaf`) hold no .grad
+    if own:
+        clear_grads(leaves)
     if engine is not None and (type(outputs[0]) is tensor if len(outputs) == 1 else all(type(y) is tensor for y in outputs)):
         grads = engine.run_backward(outputs, cotangents, retain_graph or create_graph, create_graph, leaves, True, False)
     else:
         grads = torch.autograd.grad(
             outputs, leaves, cotangents, retain_graph=retain_graph or create_graph, create_graph=create_graph, allow_unused=True
         )
-    return _folded(tuple(grads), leaves, create_graph)
+    return _folded(tuple(grads), leaves, create_graph) if own else tuple(grads)
 
 
 def _engine_grads(engine: Any, outputs: Flat, cotangents: Flat, leaves: Flat) -> Flat:
