@@ -898,7 +898,8 @@ def frozen_parameter(t: Any) -> bool:
     """A plain ``nn.Parameter`` that does not require grad (a frozen base weight): a view holds
     a `frozen_copy` of it. (A subclass, such as a quantized weight, is held as it is: its
     own data and attributes are its library's.)"""
-    return type(t) is _parameter_type() and not t.requires_grad and not t.is_inference()
+    kind: Any = type(t)  # (compared as Any: mypy would narrow ``t`` to ``object``)
+    return kind is _parameter_type() and not t.requires_grad and not t.is_inference()
 
 
 def frozen_copy(t: Any) -> Any:
