@@ -5,7 +5,9 @@ sharing the original's ``__dict__`` entries (flags, hooks, config) but with its
 own ``__dict__`` and its own parameter, buffer and submodule slots. So the
 user's module, its buffers (BatchNorm statistics), attributes, flags and
 ``.grad`` never change, and a parameter shared by two arguments is
-differentiated only where it is Active.
+differentiated only where it is Active. A frozen parameter is held as a
+copy-on-write copy (`frozen_copy`): a library that writes it inside the forward
+(peft's merge and unmerge) writes the copy, never the user's weight.
 
 The view must behave like the module *as it is called*, so what a module's
 ``__dict__`` holds of the tree is redirected to the view: bound methods and
