@@ -331,3 +331,39 @@ def test_a_frozen_parameter_is_copied_only_where_written_and_by_a_plain_clone_wi
     before, want = state_of(model), raw_gradient(module_loss, model, X)
     assert_close_dicts(ad.gradient(module_loss, Active(model), Constant(X)), want, **CLOSE)
     assert_bit_identical(model, before)
+
+
+def test_a_prepared_call_takes_new_copies_of_frozen_weights_the_user_changed_between_calls():
+    """A prepared call's view is kept between calls, its frozen copies are not: an RNN's frozen
+    weight (in its weight lists too) and one carrying a Python attribute follow the user's
+    ``merge_adapter()``-like write between calls, and an idle view holds no copy."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = nn.ModuleDict(dict(rnn=nn.LSTM(3, 4, batch_first=True), head=nn.Linear(4, 2))).double()
+    model.rnn.weight_hh_l0.requires_grad_(False)
+    model.head.weight.requires_grad_(False)
+    model.head.weight.tag = "frozen head"  # an attribute the view's copy carries as well
+
+    def rnn_loss(m, x):
+        return m.head(m.rnn(x)[0]).pow(2).sum()
+
+    tags = []
+
+    def tagged_loss(m, x):
+        tags.append(getattr(m.head.weight, "tag", None))
+        return rnn_loss(m, x)
+
+    x = randn(2, 5, 3, seed=8)
+    prepared = ad.prepare(ad.gradient, tagged_loss, Active(model), Constant(randn(2, 5, 3, seed=9)))
+    for scale in (1.0, 0.5):
+        with torch.no_grad():
+            model.rnn.weight_hh_l0.mul_(scale)
+            model.head.weight.mul_(scale)
+        before = state_of(model)
+        want = raw_gradient(rnn_loss, model, x)
+        for _ in range(2):
+            assert_close_dicts(prepared(model, x), want, **CLOSE)
+        assert_bit_identical(model, before)
+    assert tags and set(tags) == {"frozen head"}
+    (idle,) = ad.backends._torch_modules.described(model).reused
+    assert idle.held.count(None) == len(idle.renewed) == 2
