@@ -116,3 +116,34 @@ def assert_same_state(before, after):
     assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
     for a, b in zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(after)):
         np.testing.assert_array_equal(a, b)
+
+
+def tangent_for(model, seed=40) -> dict:
+    """A seeded tangent for ``model``'s trainable parameters, keyed like ``named_parameters()``."""
+    return {n: randn(*p.shape, seed=seed + i) for i, (n, p) in enumerate(trainable(model))}
+
+
+def double_backward_hvp(loss, model, tangent, *args) -> dict:
+    """The Hessian-vector product by ``torch.autograd.grad`` twice, on a deep copy of ``model``."""
+    import copy
+
+    import torch
+
+    twin = copy.deepcopy(model)
+    names, params = zip(*trainable(twin))
+    grads = torch.autograd.grad(loss(twin, *args), params, create_graph=True)
+    return dict(zip(names, torch.autograd.grad(grads, params, [tangent[n] for n in names])))
+
+
+def reverse_mode_pushforward(out, model, tangent, *args):
+    """The pushforward from the rows of the reverse-mode Jacobian (``torch.autograd.grad`` per
+    output element) on a deep copy of ``model``, for code ``torch.func`` cannot run."""
+    import copy
+
+    import torch
+
+    twin = copy.deepcopy(model)
+    names, params = zip(*trainable(twin))
+    y = out(twin, *args)
+    rows = [torch.autograd.grad(y.reshape(-1)[k], params, retain_graph=True, materialize_grads=True) for k in range(y.numel())]
+    return torch.stack([sum((g * tangent[n]).sum() for g, n in zip(row, names)) for row in rows]).reshape(y.shape)

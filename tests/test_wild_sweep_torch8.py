@@ -30,7 +30,18 @@ from torch import nn
 import activity as ad
 from activity import Active, Constant
 
-from _sweeps import CLOSE, assert_close_dicts, built, randn, raw_gradient, trainable, untouched
+from _sweeps import (
+    CLOSE,
+    assert_close_dicts,
+    built,
+    double_backward_hvp,
+    randn,
+    raw_gradient,
+    reverse_mode_pushforward,
+    tangent_for,
+    trainable,
+    untouched,
+)
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -63,27 +74,6 @@ def seeded(call, seed=5):
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return call()
-
-
-def double_backward_hvp(loss, model, tangent, *args):
-    twin = copy.deepcopy(model)
-    names, params = zip(*trainable(twin))
-    grads = torch.autograd.grad(loss(twin, *args), params, create_graph=True)
-    return dict(zip(names, torch.autograd.grad(grads, params, [tangent[n] for n in names])))
-
-
-def reverse_mode_pushforward(out, model, tangent, *args):
-    """The pushforward from the rows of the reverse-mode Jacobian (``torch.autograd.grad`` per
-    output element), for code ``torch.func`` cannot run."""
-    twin = copy.deepcopy(model)
-    names, params = zip(*trainable(twin))
-    y = out(twin, *args)
-    rows = [torch.autograd.grad(y.reshape(-1)[k], params, retain_graph=True, materialize_grads=True) for k in range(y.numel())]
-    return torch.stack([sum((g * tangent[n]).sum() for g, n in zip(row, names)) for row in rows]).reshape(y.shape)
-
-
-def tangent_for(model, seed=40):
-    return {n: randn(*p.shape, seed=seed + i) for i, (n, p) in enumerate(trainable(model))}
 
 
 # ---------------------------------------------------------------- peft on tiny Hugging Face models

@@ -51,6 +51,8 @@ from ._torch_modules import (
     described,
     differentiable_parameter,
     fresh_leaf,
+    frozen_copy,
+    frozen_parameter,
     grads_left,
     lease_view,
     parameter_alias,
@@ -635,22 +637,26 @@ def _attached_result(result: Any) -> Any:
 
 def _copy_for_view(t: Any) -> Any:
     """What a view holds for a tensor it does not differentiate: a buffer copy f may update
-    (BatchNorm statistics), a frozen parameter as it is (made usable outside inference mode)."""
+    (BatchNorm statistics), a frozen parameter's `frozen_copy` (its memory until either is
+    written: a write f makes, such as peft's merge, reaches only the copy), any other parameter
+    (a library's subclass, a quantized weight) as it is (made usable outside inference mode)."""
     if t.is_inference():
         return t.clone()
+    if frozen_parameter(t):
+        return frozen_copy(t)
     return t if isinstance(t, _torch().nn.Parameter) else t.clone()
 
 
 def _alias_for_view(t: Any) -> Any:
-    """`_copy_for_view` inside a torch.func transform, where a parameter the view holds as it is
-    gets an alias (its storage, its ``requires_grad``) instead. ``module.to(...)`` in f assigns
+    """`_copy_for_view` inside a torch.func transform, where a parameter that requires grad gets
+    an alias (its storage, its ``requires_grad``) instead. ``module.to(...)`` in f assigns
     ``.data`` of every parameter the view holds (botorch's acquisition functions call
     ``self.to(device=X.device)`` in their forward): under a transform that put the transform's
     wrapper into the user's own parameter, and a later use of it crashed the process (the hessian
     of an acquisition function with its model a Constant). On a tensor made inside the transform
     torch refuses that write with an error, and an hvp falls back to the double backward."""
-    if type(t) is _torch().nn.Parameter and not t.is_inference():
-        return _torch().nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    if type(t) is _torch().nn.Parameter and not t.is_inference() and t.requires_grad:
+        return _torch().nn.Parameter(t.detach(), requires_grad=True)
     return _copy_for_view(t)
 
 

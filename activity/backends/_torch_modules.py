@@ -5,7 +5,9 @@ sharing the original's ``__dict__`` entries (flags, hooks, config) but with its
 own ``__dict__`` and its own parameter, buffer and submodule slots. So the
 user's module, its buffers (BatchNorm statistics), attributes, flags and
 ``.grad`` never change, and a parameter shared by two arguments is
-differentiated only where it is Active.
+differentiated only where it is Active. A frozen parameter is held as a
+copy-on-write copy (`frozen_copy`): a library that writes it inside the forward
+(peft's merge and unmerge) writes the copy, never the user's weight.
 
 The view must behave like the module *as it is called*, so what a module's
 ``__dict__`` holds of the tree is redirected to the view: bound methods and
@@ -42,6 +44,7 @@ import attrs
 
 from .._errors import UnsupportedError, caller_stacklevel
 from .._tree import closure_values, global_values
+from ._torch_internals import lazy_clone
 from ._torch_keras import KERAS_WRAPPERS, check_built, keras_layer_type
 from ._torch_lookups import holds_lookups
 
@@ -763,16 +766,7 @@ def _views(
         state["_buffers"] = {k: None if i < 0 else tensors[i] for k, i in step.buffers}
         state["_modules"] = {k: None if i < 0 else views[i] for k, i in step.children}
         if step.rnn:
-            names = state["_flat_weights_names"]
-            state["_flat_weights"] = flat = [parameters.get(w, state.get(w)) for w in names]
-            if "_flat_weight_refs" in state:  # what the RNN's forward compares its weights with (else it rebuilds them)
-                state["_flat_weight_refs"] = [
-                    weakref.ref(w) if w is not None
-                    # a parametrized weight (computed on access): "changed", so the forward computes it from the view
-                    else _GONE if isinstance(getattr(type(original), name, None), property)
-                    else None
-                    for name, w in zip(names, flat)
-                ]
+            _flat_weights(state, original)
         new = object.__new__(type(original))
         object.__setattr__(new, "__dict__", state)  # nn.Module.__setattr__ is slow and would refuse tensors
         views.append(new)
@@ -782,6 +776,20 @@ def _views(
     if plan.redirects:  # after every view exists: a method may refer to a parent
         _redirect_all(plan, views, tensors)
     return views
+
+
+def _flat_weights(state: dict[str, Any], original: Any) -> None:
+    """An RNN view's lists of its weights (and references to them), from its parameter slots."""
+    names, parameters = state["_flat_weights_names"], state["_parameters"]
+    state["_flat_weights"] = flat = [parameters.get(w, state.get(w)) for w in names]
+    if "_flat_weight_refs" in state:  # what the RNN's forward compares its weights with (else it rebuilds them)
+        state["_flat_weight_refs"] = [
+            weakref.ref(w) if w is not None
+            # a parametrized weight (computed on access): "changed", so the forward computes it from the view
+            else _GONE if isinstance(getattr(type(original), name, None), property)
+            else None
+            for name, w in zip(names, flat)
+        ]
 
 
 def _copy_plain(state: dict[str, Any], keys: tuple[str, ...], copies: dict[int, Any]) -> None:
@@ -888,6 +896,24 @@ def differentiable_parameter(t: Any) -> bool:
     return kind is _parameter_type() and bool(t.requires_grad) and not t.is_inference()
 
 
+def frozen_parameter(t: Any) -> bool:
+    """A plain ``nn.Parameter`` that does not require grad (a frozen base weight): a view holds
+    a `frozen_copy` of it. (A subclass, such as a quantized weight, is held as it is: its
+    own data and attributes are its library's.)"""
+    kind: Any = type(t)  # (compared as Any: mypy would narrow ``t`` to ``object``)
+    return kind is _parameter_type() and not t.requires_grad and not t.is_inference()
+
+
+def frozen_copy(t: Any) -> Any:
+    """What a view holds for the frozen parameter ``t``: a parameter of its own whose memory is
+    ``t``'s until either is written (`lazy_clone`), so no copy is made unless f writes. A
+    library may write a module's weights inside its forward, as peft's LoRA for
+    ``nn.MultiheadAttention`` does (``weight.data += delta``, then the slot re-pointed at a
+    merged tensor and the unmerge applied to that one): held as it is, the user's frozen weight
+    kept the delta, and every later call differentiated the wrong model."""
+    return _parameter_type()(lazy_clone(t.detach()), requires_grad=False)
+
+
 def parameter_alias(t: Any) -> Any:
     """``t``'s storage and flag in a parameter of the view's own: what a backward pass f runs
     inside the backward (Reformer's reversible layers) accumulates goes to its ``.grad``."""
@@ -944,17 +970,26 @@ class ReusedView:
         self.plan = plan = _plan_of(module, active)
         self.active = active
         self.leaves = tuple(map(fresh_leaf, module.params)) if active else ()
-        # The view's own copy of each buffer (a frozen parameter is used as it is), kept between calls.
-        # A parameter that requires grad but is not differentiated (``Active(model, where=...)``
-        # leaves it out) is held as an alias made once, the same storage and flag: a backward pass f
-        # runs inside the backward (Reformer's reversible layers) accumulated into the user's ``.grad``.
+        # The view's own copy of each buffer, kept between calls. A parameter that requires grad but
+        # is not differentiated (``Active(model, where=...)`` leaves it out) is held as an alias made
+        # once, the same storage and flag: a backward pass f runs inside the backward (Reformer's
+        # reversible layers) accumulated into the user's ``.grad``. A frozen parameter is held as a
+        # `frozen_copy` made anew for each call (`_renew`): one kept between calls would go stale
+        # when the user writes the weight (``merge_adapter()``), and would cost that write a copy.
         aliased = [differentiable_parameter(t) for t in plan.sources]
-        self.held = [parameter_alias(t) if alias else convert(t) for t, alias in zip(plan.sources, aliased)]
+        renewed = [frozen_parameter(t) for t in plan.sources]
+        self.held = [
+            parameter_alias(t) if alias else frozen_copy(t) if frozen else convert(t)
+            for t, alias, frozen in zip(plan.sources, aliased, renewed)
+        ]
         self.aliases = tuple(h for h, alias in zip(self.held, aliased) if alias)
+        self.renewed = tuple(i for i, frozen in enumerate(renewed) if frozen)
         # the storage each leaf and alias shares (`lease_view` builds anew where ``p.data = ...`` changed it)
         self.params = (*(module.params if active else ()), *(t for t, alias in zip(plan.sources, aliased) if alias))
         self.pointers = tuple(map(_data_ptr(), self.params))
-        self.kept = tuple(i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t and not aliased[i])
+        self.kept = tuple(
+            i for i, (t, c) in enumerate(zip(plan.sources, self.held)) if c is not t and not aliased[i] and not renewed[i]
+        )
         self.copy_kept = _copier([self.held[i] for i in self.kept], [plan.sources[i] for i in self.kept]) if self.kept else None
         # A copy of a tensor on a graph cannot be overwritten in place: such a view serves one call.
         self.reusable = not any(plan.sources[i].requires_grad for i in self.kept)
@@ -965,16 +1000,29 @@ class ReusedView:
         self.copies = tuple(copies)
         # (state, keys) of the copied modules whose plain lists and dicts a refresh copies again
         self.plain = tuple((state, step.copied) for step, (_, state, _) in zip(plan.steps, copies) if step.copied)
-        self.attributed = tuple(attributed)
+        self.attributed = attributed
         self.attributed_sides = (tuple(t for t, _ in attributed), tuple(p for _, p in attributed))
-        # Where each held tensor goes: (slots dict, key, what the view put there).
-        n = len(self.leaves)
+        # Where each held tensor goes: (slots dict, key, what the view put there), and where each
+        # frozen copy goes: (slots dict, key, its index in ``held``).
+        n, renew = len(self.leaves), {i + len(self.leaves) for i in self.renewed}
         self.refills = tuple(
             (slots, key, slots[key])
             for step, (_, _, own) in zip(plan.steps, copies)
             for slots, entries in ((own["_parameters"], step.params), (own["_buffers"], step.buffers))
             for key, i in entries
-            if i >= n
+            if i >= n and i not in renew
+        )
+        self.renewed_slots = tuple(
+            (own["_parameters"], key, i - n) for step, (_, _, own) in zip(plan.steps, copies) for key, i in step.params if i in renew
+        )
+        # (index into ``attributed``, index into ``held``) of the frozen copies carrying attributes
+        sourced = [i for step in plan.steps for _, i in step.attributed]
+        self.renewed_attributed = tuple((at, i - n) for at, i in enumerate(sourced) if i in renew)
+        # (view's __dict__, own slots, original) of the RNNs whose weight lists hold frozen copies
+        self.renewed_rnns = tuple(
+            (state, own, original_ref)
+            for step, (original_ref, state, own) in zip(plan.steps, copies)
+            if step.rnn and any(i in renew for _, i in step.params)
         )
         self.copied = tuple(self.views)
         self.held_copies = tuple(self.held[i] for i in self.kept)
@@ -994,6 +1042,8 @@ class ReusedView:
         for original_ref, state, own in self.copies:
             state.update(original_ref().__dict__)
             state.update(own)
+        if self.renewed:
+            self._renew()
         if self.plain:
             plain: dict[int, Any] = {}
             for state, keys in self.plain:
@@ -1019,7 +1069,33 @@ class ReusedView:
             return False
         for _, state, _ in self.copies:
             state.clear()
+        if self.renewed:  # an idle view holds no frozen copy: it would cost the user's next write of the weight a copy
+            for i in self.renewed:
+                self.held[i] = None
+            for slots, key, _ in self.renewed_slots:
+                slots[key] = None
+            if self.renewed_attributed:
+                for at, i in self.renewed_attributed:
+                    self.attributed[at] = (None, self.plan.sources[i])
+                self.attributed_sides = ((), ())
+            for _, own, _ in self.renewed_rnns:
+                own["_flat_weights"] = []
         return True
+
+    def _renew(self) -> None:
+        """New frozen copies, in their slots (after `refresh` has filled the copied modules)."""
+        held, sources = self.held, self.plan.sources
+        for i in self.renewed:
+            held[i] = frozen_copy(sources[i])
+        for slots, key, i in self.renewed_slots:
+            slots[key] = held[i]
+        if self.renewed_attributed:
+            for at, i in self.renewed_attributed:
+                self.attributed[at] = (_attributes_of(held[i], sources[i]), sources[i])
+            self.attributed_sides = (tuple(t for t, _ in self.attributed), tuple(p for _, p in self.attributed))
+        for state, own, original_ref in self.renewed_rnns:
+            _flat_weights(state, original_ref())
+            own.update((key, state[key]) for key in _RNN_WEIGHTS if key in state)
 
 
 def forget_hooks_since(descriptions: Any, first: int) -> None:
@@ -1158,6 +1234,8 @@ __all__ = [
     "described",
     "forget_hooks_since",
     "fresh_leaf",
+    "frozen_copy",
+    "frozen_parameter",
     "grads_left",
     "lease_view",
     "release_view",
