@@ -105,3 +105,32 @@ def test_user_mistakes_are_caught(tmp_path):
     pyright = json.loads(_pyright("--outputjson", str(script)).stdout)
     pyright_lines = {d["range"]["start"]["line"] + 1 for d in pyright["generalDiagnostics"] if d["severity"] == "error"}
     assert pyright_lines == expected, [d["message"] for d in pyright["generalDiagnostics"]]
+
+
+
+def test_checkers_find_the_installed_package_outside_the_repository(tmp_path):
+    """A user's project elsewhere type-checks against the installed activity: mypy and pyright
+    find the package the interpreter imports. A meta-path import hook (setuptools' default
+    editable install) is invisible to them; a path entry (``editable_mode=compat``) is not."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}  # the install alone
+    imported = subprocess.run([sys.executable, "-c", "import activity"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert imported.returncode == 0, f"activity is not installed in {sys.executable}: {imported.stderr}"
+    script = tmp_path / "user.py"
+    script.write_text(
+        "from typing_extensions import assert_type\n"
+        "import activity as ad\n"
+        "assert_type(ad.Active(1.0).value, float)\n"
+    )
+    # The repository's cache: an editable install's files are this checkout's, so it is warm.
+    mypy = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-color-output", "--no-error-summary",
+         "--cache-dir", str(ROOT / ".mypy_cache"), script.name],
+        cwd=tmp_path, capture_output=True, text=True, env=env,
+    )
+    assert mypy.returncode == 0, mypy.stdout + mypy.stderr
+    pyright = subprocess.run(
+        [sys.executable, "-m", "pyright", "--pythonpath", sys.executable, "--outputjson", script.name],
+        cwd=tmp_path, capture_output=True, text=True, env=env,
+    )
+    report = json.loads(pyright.stdout)
+    assert report["summary"]["errorCount"] == 0, [d["message"] for d in report["generalDiagnostics"]]

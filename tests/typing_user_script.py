@@ -64,8 +64,43 @@ def cube_sum(v: jax.Array) -> jax.Array:
 
 hvps = ad.hvp(cube_sum, Active(w), tangents=[jarray([1.0] * 3), jarray([0.0] * 3)])
 assert_type(hvps, list[jax.Array])
-jac = ad.jacobian(jnp.sin, Active(w))  # a layout built from both structures: Any
-several: tuple[jax.Array, jax.Array] = ad.gradient(loss, Active(params), Active(jarray([[1.0] * 3] * 4)))
+# One array in and one array out: a Jacobian or Hessian is an array of f's framework.
+jac = ad.jacobian(jnp.sin, Active(w))
+assert_type(jac, jax.Array)
+jac, jac_aux = ad.jacobian(loss_with_aux, Active(w), Constant(jarray([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])), has_aux=True)
+assert_type(jac, jax.Array)
+assert_type(jac_aux, dict[str, jax.Array])
+hess = ad.hessian(cube_sum, Active(w))
+assert_type(hess, jax.Array)
+assert isinstance(hess, jax.Array) and hess.shape == (3, 3)
+
+# Several Active arguments: a tuple of their types, in order.
+g_params, g_x = ad.gradient(loss, Active(params), Active(jarray([[1.0] * 3] * 4)))
+assert_type(g_params, dict[str, jax.Array])
+assert_type(g_x, jax.Array)
+(g_w, g_x), aux = ad.gradient(loss_with_aux, Active(w), Active(jarray([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])), has_aux=True)
+assert_type(g_w, jax.Array)
+assert_type(aux, dict[str, jax.Array])
+value, (g_params, g_x) = ad.value_and_gradient(loss, Active(params), Active(jarray([[1.0] * 3] * 4)))
+assert_type(g_params, dict[str, jax.Array])
+
+
+def orbit(t: jax.Array, r: jax.Array) -> jax.Array:
+    return r * jnp.stack([jnp.cos(t), jnp.sin(t)])
+
+
+d_t, d_r = ad.derivative(orbit, Active(jarray(0.5)), Active(jarray(2.0)))
+assert_type(d_t, jax.Array)
+assert d_r.shape == (2,)
+
+
+# A number as the Active value: its gradient is the framework's scalar (Any), the aux f's own.
+def number_loss(t: float) -> tuple[jax.Array, str]:
+    return jnp.sin(t), "note"
+
+
+g_t, note = ad.gradient(number_loss, Active(0.5), has_aux=True, backend=ad.AutoJAX())
+assert_type(note, str)
 prepared_hvp = ad.prepare(ad.hvp, cube_sum, Active(w), tangent=jarray([1.0] * 3))
 assert isinstance(prepared_hvp(w, tangent=jarray([1.0] * 3)), jax.Array)
 
@@ -113,6 +148,10 @@ prepared_torch = ad.prepare(ad.gradient, torch_loss, Active(model), Constant(tor
 # With a keyword, mypy types this Prepared[Any] (it cannot follow the operator's keywords yet);
 # pyright gives Prepared[dict[str, Tensor]].
 prepared_grads: dict[str, torch.Tensor] = prepared_torch(model, torch.zeros(4, 3))
+prepared_value_and_grads = ad.prepare(ad.value_and_gradient, torch_loss, Active(model), Constant(torch.ones(4, 3)))
+loss_value, module_grads = prepared_value_and_grads(model, torch.zeros(4, 3))
+assert_type(loss_value, torch.Tensor)
+assert_type(module_grads, dict[str, torch.Tensor])
 
 
 # -- the testing kit: a list of annotations is a Scenario's args ----------------------------------

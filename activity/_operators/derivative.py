@@ -33,6 +33,16 @@ def derivative(
 ) -> R: ...
 @overload
 def derivative(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[R, R]: ...
+@overload
+def derivative(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], arg3: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[R, R, R]: ...
+@overload
+def derivative(
     f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
     **keywords: Annotation[Any],
 ) -> Any: ...
@@ -76,6 +86,16 @@ def value_and_derivative(
     f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
     **keywords: Data,
 ) -> tuple[R, R]: ...
+@overload
+def value_and_derivative(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[R, tuple[R, R]]: ...
+@overload
+def value_and_derivative(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], arg3: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[R, tuple[R, R, R]]: ...
 @overload
 def value_and_derivative(
     f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,

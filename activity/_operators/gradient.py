@@ -8,7 +8,7 @@ from .._annotations import Active, Annotation
 from .._problem import Problem
 from ..backends import Backend
 from ._common import Operator, Seeds, call, register, start, with_value
-from ._typing import A, Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
+from ._typing import A, Data, ModuleGradient, NNXGradient, NNXModuleLike, R, Special, T, T1, T2, T3, TorchModuleLike
 
 
 def _build(
@@ -49,8 +49,16 @@ def gradient(
 ) -> tuple[NNXGradient, A]: ...
 @overload
 def gradient(
-    f: Callable[..., Any], arg: Active[float], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
+    f: Callable[..., Any], arg: Active[float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
 ) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., tuple[Any, A]], arg: Active[float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[Any, A]: ...
 @overload
 def gradient(
     f: Callable[..., Any], arg: Active[T], /, *args: Data,
@@ -63,6 +71,60 @@ def gradient(
     backend: Backend | None = None, has_aux: Literal[True],
     **keywords: Data,
 ) -> tuple[T, A]: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[Special], arg2: Active[Any], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[Any], arg2: Active[Special], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[T1], arg2: Active[T2], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
+) -> tuple[T1, T2]: ...
+@overload
+def gradient(
+    f: Callable[..., tuple[Any, A]], arg1: Active[T1], arg2: Active[T2], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[tuple[T1, T2], A]: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[Special], arg2: Active[Any], arg3: Active[Any], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[Any], arg2: Active[Special], arg3: Active[Any], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[Any], arg2: Active[Any], arg3: Active[Special], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def gradient(
+    f: Callable[..., Any], arg1: Active[T1], arg2: Active[T2], arg3: Active[T3], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
+) -> tuple[T1, T2, T3]: ...
+@overload
+def gradient(
+    f: Callable[..., tuple[Any, A]], arg1: Active[T1], arg2: Active[T2], arg3: Active[T3], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[tuple[T1, T2, T3], A]: ...
 @overload
 def gradient(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]) -> Any: ...
 def gradient(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]) -> Any:
@@ -122,6 +184,41 @@ def value_and_gradient(
 def value_and_gradient(
     f: Callable[..., R], arg: Active[T], /, *args: Data, backend: Backend | None = None, has_aux: bool = False, **keywords: Data
 ) -> tuple[R, T]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[Special], arg2: Active[Any], /, *args: Data, backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Special], /, *args: Data, backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[T1], arg2: Active[T2], /, *args: Data, backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> tuple[R, tuple[T1, T2]]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[Special], arg2: Active[Any], arg3: Active[Any], /, *args: Data, backend: Backend | None = None,
+    has_aux: bool = False, **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Special], arg3: Active[Any], /, *args: Data, backend: Backend | None = None,
+    has_aux: bool = False, **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], arg3: Active[Special], /, *args: Data, backend: Backend | None = None,
+    has_aux: bool = False, **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_gradient(
+    f: Callable[..., R], arg1: Active[T1], arg2: Active[T2], arg3: Active[T3], /, *args: Data, backend: Backend | None = None,
+    has_aux: bool = False, **keywords: Data,
+) -> tuple[R, tuple[T1, T2, T3]]: ...
 @overload
 def value_and_gradient(
     f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]

@@ -10,7 +10,7 @@ from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis
 from ._common import blocks, call, Operator, register, Seeds, start
-from ._typing import Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
+from ._typing import AR, AT, ArrayLike, Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
 
 
 def _build(
@@ -33,6 +33,35 @@ def _build(
     return pipeline
 
 
+@overload
+def hessian(
+    f: Callable[..., Any], arg: Active[TorchModuleLike | NNXModuleLike], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def hessian(
+    f: Callable[..., AR], arg: Active[ArrayLike | float], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> AR: ...
+@overload
+def hessian(
+    f: Callable[..., Any], arg1: Active[TorchModuleLike | NNXModuleLike], arg2: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def hessian(
+    f: Callable[..., Any], arg1: Active[Any], arg2: Active[TorchModuleLike | NNXModuleLike], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def hessian(
+    f: Callable[..., AR], arg1: Active[ArrayLike | float], arg2: Active[ArrayLike | float], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[tuple[AR, AR], tuple[AR, AR]]: ...
+@overload
+def hessian(
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]
+) -> Any: ...
 def hessian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, **keywords: Annotation[Any]) -> Any:
     """Hessian of a scalar ``f`` in `jax.hessian`'s layout (input structure twice,
     leaves of shape ``shape_i + shape_j``); a tuple of tuples for several Active arguments.
@@ -77,6 +106,16 @@ def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[NNXModuleLike], /, *args: Data, backend: Backend | None = None,
     **keywords: Data,
 ) -> tuple[R, NNXGradient, Any]: ...
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., AR], arg: Active[float], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[AR, Any, AR]: ...
+@overload
+def value_gradient_and_hessian(
+    f: Callable[..., AR], arg: Active[AT], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[AR, AT, AR]: ...
 @overload
 def value_gradient_and_hessian(
     f: Callable[..., R], arg: Active[float], /, *args: Data, backend: Backend | None = None,

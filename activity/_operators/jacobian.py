@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, cast
+from typing import Any, Callable, Literal, overload
 
 from .. import _arrays as arrays
-from .._annotations import Annotation
+from .._annotations import Active, Annotation
 from .._problem import Problem
 from ..backends import Backend
 from .._arrays import input_basis, output_basis
 from ._common import blocks, call, Operator, register, Seeds, start, with_value
-from ._typing import R
+from ._typing import A, AR, ArrayLike, Data, NNXModuleLike, R, TorchModuleLike
 
 
 def _build(
@@ -60,6 +60,52 @@ def _build(
     return pipeline
 
 
+@overload
+def jacobian(
+    f: Callable[..., Any], arg: Active[TorchModuleLike | NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def jacobian(
+    f: Callable[..., AR], arg: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
+) -> AR: ...
+@overload
+def jacobian(
+    f: Callable[..., tuple[AR, A]], arg: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[AR, A]: ...
+@overload
+def jacobian(
+    f: Callable[..., Any], arg1: Active[TorchModuleLike | NNXModuleLike], arg2: Active[Any], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def jacobian(
+    f: Callable[..., Any], arg1: Active[Any], arg2: Active[TorchModuleLike | NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> Any: ...
+@overload
+def jacobian(
+    f: Callable[..., AR], arg1: Active[ArrayLike | float], arg2: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
+) -> tuple[AR, AR]: ...
+@overload
+def jacobian(
+    f: Callable[..., tuple[AR, A]], arg1: Active[ArrayLike | float], arg2: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[tuple[AR, AR], A]: ...
+@overload
+def jacobian(
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]
+) -> Any: ...
 def jacobian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]) -> Any:
     """Jacobian of ``f`` in `jax.jacobian`'s layout: output structure, then input structure,
     each leaf of shape ``output_shape + input_shape``.
@@ -94,9 +140,55 @@ def jacobian(f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend 
     return call(JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
+@overload
+def value_and_jacobian(
+    f: Callable[..., R], arg: Active[TorchModuleLike | NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_jacobian(
+    f: Callable[..., AR], arg: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
+) -> tuple[AR, AR]: ...
+@overload
+def value_and_jacobian(
+    f: Callable[..., tuple[AR, A]], arg: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[tuple[AR, A], AR]: ...
+@overload
+def value_and_jacobian(
+    f: Callable[..., R], arg1: Active[TorchModuleLike | NNXModuleLike], arg2: Active[Any], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_jacobian(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[TorchModuleLike | NNXModuleLike], /, *args: Data,
+    backend: Backend | None = None, has_aux: bool = False,
+    **keywords: Data,
+) -> tuple[R, Any]: ...
+@overload
+def value_and_jacobian(
+    f: Callable[..., AR], arg1: Active[ArrayLike | float], arg2: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[False] = False,
+    **keywords: Data,
+) -> tuple[AR, tuple[AR, AR]]: ...
+@overload
+def value_and_jacobian(
+    f: Callable[..., tuple[AR, A]], arg1: Active[ArrayLike | float], arg2: Active[ArrayLike | float], /, *args: Data,
+    backend: Backend | None = None, has_aux: Literal[True],
+    **keywords: Data,
+) -> tuple[tuple[AR, A], tuple[AR, AR]]: ...
+@overload
 def value_and_jacobian(
     f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]
-) -> tuple[R, Any]:
+) -> tuple[R, Any]: ...
+def value_and_jacobian(
+    f: Callable[..., Any], /, *args: Annotation[Any], backend: Backend | None = None, has_aux: bool = False, **keywords: Annotation[Any]
+) -> Any:
     """``(value, jacobian)``, or ``((value, aux), jacobian)`` with ``has_aux=True``.
 
     Args:
@@ -125,7 +217,7 @@ def value_and_jacobian(
     >>> value, jac
     (Array([3.], dtype=float32), Array([[3.]], dtype=float32))
     """
-    return cast("tuple[R, Any]", call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords))
+    return call(VALUE_AND_JACOBIAN, f, args, backend, {"has_aux": has_aux}, {}, keywords)
 
 
 JACOBIAN = Operator("jacobian", lambda *a, **k: _build(*a, value=False, **k))

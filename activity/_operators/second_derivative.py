@@ -41,6 +41,11 @@ def second_derivative(
 ) -> R: ...
 @overload
 def second_derivative(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[tuple[R, R], tuple[R, R]]: ...
+@overload
+def second_derivative(
     f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
     **keywords: Annotation[Any],
 ) -> Any: ...
@@ -83,6 +88,11 @@ def value_derivative_and_second_derivative(
     f: Callable[..., R], arg: Active[Any], /, *args: Data, backend: Backend | None = None,
     **keywords: Data,
 ) -> tuple[R, R, R]: ...
+@overload
+def value_derivative_and_second_derivative(
+    f: Callable[..., R], arg1: Active[Any], arg2: Active[Any], /, *args: Data, backend: Backend | None = None,
+    **keywords: Data,
+) -> tuple[R, tuple[R, R], tuple[tuple[R, R], tuple[R, R]]]: ...
 @overload
 def value_derivative_and_second_derivative(
     f: Callable[..., R], /, *args: Annotation[Any], backend: Backend | None = None,
