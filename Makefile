@@ -9,6 +9,9 @@ EXTRAS := jax,torch,testing,test,docs,bench
 LOCK := requirements/lock.txt
 # `make test-latest` and `make lock`: the same set-up with the newest releases, in a venv of its own.
 LATEST := .venv-latest
+# An editable install whose path mypy and pyright can read (setuptools' default is an import hook
+# they cannot see, so outside the repository they did not find `activity`).
+EDITABLE := --config-settings editable_mode=compat
 
 .PHONY: demo test test-latest lock bench install clean flake screenshots
 
@@ -30,8 +33,8 @@ setup:
 	@# (2.13.0 satisfies the extra's range) and compiles the bytecode as pip does, for the first imports
 	@# of the suite's processes. Where uv cannot be had, pip does it.
 	( $(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) uv && \
-	  $(VENV)/bin/python -m uv pip install --quiet --compile-bytecode --python $(VENV)/bin/python $(CONSTRAINTS) -e ".[$(EXTRAS)]" ) || \
-	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	  $(VENV)/bin/python -m uv pip install --quiet --compile-bytecode --python $(VENV)/bin/python $(CONSTRAINTS) -e ".[$(EXTRAS)]" $(EDITABLE) ) || \
+	$(VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(CONSTRAINTS) -e ".[$(EXTRAS)]" $(EDITABLE)
 
 install: $(STAMP)
 
