@@ -78,6 +78,9 @@ def _inside_functorch() -> bool:
 # would drop the inner derivative without a word.
 _CALL: contextvars.ContextVar[bool | None] = contextvars.ContextVar("activity_torch_call", default=None)
 _CALL_GET = _CALL.get
+# Whether an AutoTorch call is evaluating f here: a call made now runs inside f of that one.
+_EVALUATING: contextvars.ContextVar[bool] = contextvars.ContextVar("activity_torch_evaluating", default=False)
+_EVALUATING_GET = _EVALUATING.get
 
 
 def _keeps_graph() -> bool:
@@ -88,7 +91,7 @@ def _keeps_graph() -> bool:
 def differentiated_by_an_outer_call() -> bool:
     """Whether an AutoTorch call runs around this point (its f calls the code here): what a
     backend that cannot stay on the tape (finite differences) refuses."""
-    return _CALL_GET() is not None
+    return _EVALUATING_GET()
 
 
 class _Call:
@@ -102,7 +105,7 @@ class _Call:
         self.create_graph, self.inner = create_graph, inner
 
     def __enter__(self) -> None:
-        self.token = _CALL.set(self.create_graph or _CALL_GET() is not None)
+        self.token = _CALL.set(self.create_graph or _EVALUATING_GET())
         if self.inner is not None:
             self.inner.__enter__()
 
@@ -117,11 +120,11 @@ class _Call:
 def _evaluating(call: Callable[..., Any], f: Callable[..., Any], args: Any) -> Any:
     """``call(f, args)`` marked as an AutoTorch call's evaluation of f, for the fast paths, which
     take no `_Call` (they serve only calls that are not differentiated, see `_usable`)."""
-    token = _CALL.set(False)
+    token = _EVALUATING.set(True)
     try:
         return call(f, args)
     finally:
-        _CALL.reset(token)
+        _EVALUATING.reset(token)
 
 
 # torch's forward-AD levels are process-global: two threads in torch.func.jvp corrupt each other.
@@ -394,13 +397,14 @@ class AutoTorch(Backend):
     def wrap_function(self, F: FlatFunction, xs: Flat) -> FlatFunction:
         # An operator f calls runs inside this call: see `_CALL`.
         def evaluated(leaves: Flat) -> tuple[Flat, Any]:
-            token = _CALL.set(_CALL_GET() or False)
+            token = _EVALUATING.set(True)
             try:
                 return F(leaves)
             finally:
-                _CALL.reset(token)
+                _EVALUATING.reset(token)
 
-        return derived_from(F, evaluated)
+        evaluated.__dict__.update(F.__dict__)  # what the primitives read of F (its problem, op_name)
+        return evaluated
 
     def convert_inputs(self, xs: Flat, ctx: Flat) -> tuple[Flat, Flat]:
         if _inside_functorch():
@@ -1203,7 +1207,7 @@ def _usable() -> bool:
     """Whether a compiled torch call may run here: the tape on, outside every `torch.func` transform
     and every other AutoTorch call (which differentiates this one: the generic path keeps the graph)."""
     grad_enabled, inference_mode, functorch_level = _modes()
-    return grad_enabled() and not inference_mode() and functorch_level() is None and _CALL_GET() is None
+    return grad_enabled() and not inference_mode() and functorch_level() is None and not _EVALUATING_GET()
 
 
 def _tape_gradient(problem: Any, op_name: str, fallback: bool = True) -> Callable[..., Any]:
