@@ -646,6 +646,18 @@ def structure_difference(expected: Any, got: Any, prefix: bool = False, limit: i
     of difference names its first ``limit`` paths. This is the one place structures are told in
     messages: a raw ``PyTreeSpec(...)`` means nothing to a user."""
     want, have = _as_tree(expected), _as_tree(got)
+    try:
+        return _walked_difference(want, have, prefix, limit)
+    except Exception:  # noqa: BLE001 - a node that cannot be walked one level: tell the leaf paths alone
+        want_paths, have_paths = leaf_paths(want), leaf_paths(have)
+        missing = [path for path in want_paths if path not in set(have_paths)]
+        extra = [path for path in have_paths if path not in set(want_paths)]
+        parts = [f"missing {_some(missing, limit)}"] * bool(missing) + [f"unexpected {_some(extra, limit)}"] * bool(extra)
+        return "; ".join(parts) or "the same paths, in another structure"
+
+
+def _walked_difference(want: Any, have: Any, prefix: bool, limit: int) -> str:
+    """`structure_difference` of two trees, walked node by node from the root."""
     flatten(have)  # registers any new node types first
     missing: list[str] = []
     unexpected: list[str] = []
@@ -658,9 +670,11 @@ def structure_difference(expected: Any, got: Any, prefix: bool = False, limit: i
         if h_spec.is_leaf() and (w_spec.is_leaf() or prefix):
             continue
         where = path or "the root"
-        if w_spec.is_leaf() or h_spec.is_leaf() or type(w) is not type(h):
+        retyped = w_spec.is_leaf() or h_spec.is_leaf() or type(w) is not type(h)
+        if retyped:
             changed.append(f"{_node_name(h, h_spec)} at {where} where {_node_name(w, w_spec)} is expected")
-            continue
+            if w_spec.is_leaf() or h_spec.is_leaf() or not set(_entries(w)) & set(_entries(h)):
+                continue  # nothing below to compare; else (a dict for an nnx.State) say what differs inside too
         w_entries, h_entries = _entries(w), _entries(h)
         if w_entries != h_entries:
             lacking = [entry for entry in w_entries if entry not in h_entries]
@@ -671,11 +685,11 @@ def structure_difference(expected: Any, got: Any, prefix: bool = False, limit: i
                 changed.append(f"the entries at {where} are in another order")
             pairs = dict(zip(h_entries, h_children))
             pending += [(path + entry, child, pairs[entry]) for entry, child in zip(w_entries, w_children) if entry in pairs]
-        elif w_spec != h_spec:
+        elif w_spec != h_spec and not retyped:
             changed.append(
                 "the static data of a node differs (a field not flattened as a leaf: an eqx.field(static=True), "
                 "a register_dataclass meta field, a function a distribution holds)"
-                + _static_data_difference(unflatten(w_spec, [None] * w_spec.num_leaves), h)
+                + _static_data_difference(w, h, path)
             )
         else:
             pending += [(path + entry, *pair) for entry, pair in zip(w_entries, zip(w_children, h_children))]
@@ -725,13 +739,13 @@ def _did_you_mean(entry: str, candidates: list[str]) -> str:
     return f" (did you mean {plain[close[0]]}?)" if close else ""
 
 
-def _static_data_difference(expected: Any, tree: Any) -> str:
+def _static_data_difference(expected: Any, tree: Any, start: str = "") -> str:
     """Which node's static data differs between two trees of the same leaves, and where in it,
     as ``": at ['model'], the JointDistributionSequential's [1]['callable_params']['model'][1]
     is <function joint.<locals>.<lambda>>, prepared with <function joint.<locals>.<lambda>> (another
     object)"``; "" where
     that is not told (a node no JAX treedef describes)."""
-    pending = [("", expected, tree)]
+    pending = [(start, expected, tree)]
     while pending:
         path, want, have = pending.pop(0)
         want_children, want_spec = _one_level(want)
