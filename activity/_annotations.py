@@ -7,6 +7,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import attrs
 import numpy as np
 
+from ._errors import short_repr
+
 # Covariant: an annotation only holds its value, so an Active[Linear] is an Active[Module].
 T = TypeVar("T", covariant=True)
 
@@ -41,7 +43,7 @@ def _check_where(instance: Any, attribute: Any, where: Any) -> None:
         if not isinstance(leaf, (bool, np.bool_)):
             raise TypeError(
                 f"Active(..., where=...) takes a callable (path, leaf) -> bool or a pytree of bools, but "
-                f"where holds {type(leaf).__name__} {leaf!r:.40} at {leaf_paths(where)[index] or 'its root'}. "
+                f"where holds {type(leaf).__name__} {short_repr(leaf, 40)} at {leaf_paths(where)[index] or 'its root'}. "
                 f"Use True to differentiate a part and False to keep it constant."
             )
     if not leaves:

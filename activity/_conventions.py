@@ -53,6 +53,7 @@ import attrs
 import numpy as np
 
 from ._arrays import dtype_kind
+from ._errors import short_repr
 from ._tree import flatten, leaf_paths, unflatten
 
 
@@ -120,7 +121,7 @@ class NNXModule:
                 then = prepared.get(path, _MISSING)
                 if then is _MISSING or type(then) is not type(now) or bool(then != now):
                     where = ".".join(str(part) for part in path)
-                    return f"its attribute {where} is {now!r:.60}, prepared with {then!r:.60}"
+                    return f"its attribute {where} is {short_repr(now)}, prepared with {short_repr(then)}"
         except Exception:  # noqa: BLE001 - a graph merge cannot rebuild, or == that is no bool: no detail
             return None
         return None

@@ -82,3 +82,43 @@ def caller_stacklevel() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _LIBRARY_FRAMES:
         frame, level = frame.f_back, level + 1
     return level
+
+
+_CLOSERS = {"(": ")", "[": "]", "{": "}"}
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, on one line and at most about ``limit`` characters: cut on
+    a token boundary (after a comma, a space or an opening bracket, never inside a number or a
+    name), marked ``...``, the brackets left open closed again, so
+    ``Active({'w': Array([[1., 1., ...]])})`` still reads as what it is. A function is named
+    without its address, which tells nothing. The one place reprs are shortened."""
+    if isinstance(value, types.FunctionType):
+        return f"<function {value.__qualname__}>"
+    try:
+        text = " ".join(repr(value).split())
+    except Exception:  # noqa: BLE001 - a repr that fails still names the type
+        return f"<{type(value).__name__} object>"
+    if len(text) <= limit:
+        return text
+    stack: list[str] = []  # open brackets and quotes, innermost last
+    cut, cut_stack = 0, []  # the last boundary seen and what was open there
+    index = 0
+    while index < limit - 3:
+        char = text[index]
+        if stack and stack[-1] in "'\"":
+            if char == "\\":
+                index += 1
+            elif char == stack[-1]:
+                stack.pop()
+        elif char in "'\"" or char in _CLOSERS:
+            stack.append(char)
+        elif stack and char == _CLOSERS.get(stack[-1]):
+            stack.pop()
+        index += 1
+        if (char in _CLOSERS or char == " ") and not (stack and stack[-1] in "'\"" and char == " "):
+            cut, cut_stack = index, list(stack)
+    if cut == 0:  # one long token (a name, a string): cut it at the limit
+        cut, cut_stack = limit - 3, stack
+    closers = "".join(_CLOSERS.get(opened, opened) for opened in reversed(cut_stack))
+    return text[:cut] + "..." + closers

@@ -27,7 +27,7 @@ import numpy as np
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant
 from ._errors import UnsupportedError, add_note
-from ._tree import flatten, unflatten
+from ._tree import flatten, structure_difference, unflatten
 
 MAX_ORDER = 2
 """The highest order of derivative `differentiate_with` provides (a Hessian through ``h``)."""
@@ -566,7 +566,8 @@ class _Signature:
         if spec != self.out_spec or aux_spec != self.aux_spec:
             raise ValueError(
                 f"{self.mixed!r}: g's output changed structure between calls with the same argument "
-                f"signature ({self.out_spec} before, {spec} now); g must return the same structure."
+                f"signature ({structure_difference(self.out_spec, spec) if spec != self.out_spec else 'of its aux: ' + structure_difference(self.aux_spec, aux_spec)}); "
+                f"g must return the same structure."
             )
         return out_leaves, aux_leaves
 

@@ -33,7 +33,7 @@ from ._problem import (
     parse_call,
     wheres_of,
 )
-from ._tree import flatten
+from ._tree import flatten, structure_difference
 from .backends import Backend, find_placeholder, placeholders_allowed
 from .backends._base import SignatureChanged
 
@@ -418,7 +418,7 @@ def _signature_change(old: tuple[Any, ...], new: tuple[Any, ...], values: tuple[
         elif old_mask != mask:
             changes.append(f"{label}: another where= mask")
         elif old_spec != spec:
-            changes.append(f"{label}: structure {old_spec} -> {spec}")
+            changes.append(f"{label}: structure changed: {structure_difference(old_spec, spec)}")
         else:
             changes += [
                 f"{label} at {leaf_path(problem, values, position, index)}: {_meta_change(before, after)}"
@@ -491,12 +491,15 @@ def _same_key(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 
 def _seed_mismatch(expected: Any, got: Any, seed: str | None) -> str:
-    def describe(key: Any) -> str:
-        batch, spec = key
-        shape = f" of structure {spec}" if spec is not None else ""
-        return f"{seed}={seed}{shape}" if batch is None else f"{seed}s= with {batch} entries{shape}"
+    def describe(batch: int | None) -> str:
+        return f"{seed}=" if batch is None else f"{seed}s= with {batch} entries"
 
-    return f"prepared for {describe(expected)}, called with {describe(got)}."
+    (batch_e, spec_e), (batch_g, spec_g) = expected, got
+    changed = spec_e is not None and spec_g is not None and spec_e != spec_g
+    structure = f"the {seed}'s structure changed: {structure_difference(spec_e, spec_g)}" if changed else ""
+    if batch_e == batch_g and structure:
+        return f"{structure}."
+    return f"prepared for {describe(batch_e)}, called with {describe(batch_g)}" + (f"; {structure}." if structure else ".")
 
 
 def _placeholder_frameworks(values: tuple[Any, ...], seed_kwargs: dict[Any, Any]) -> set[str]:

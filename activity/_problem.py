@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import difflib
 import sys
 import warnings
 from typing import Any, Callable, Sequence, overload
@@ -23,8 +24,8 @@ import numpy as np
 from . import _arrays as arrays
 from ._annotations import Active, Annotation, Cache, Constant, is_predicate
 from ._conventions import Bound, adapter_for, is_python_number
-from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel
-from ._tree import LEAF, flatten, leaf_paths, same_static_value, structure_difference, unflatten
+from ._errors import RAISED_BY_F, UnsupportedError, add_note, caller_stacklevel, short_repr
+from ._tree import LEAF, flatten, leaf_parents, leaf_paths, same_static_value, structure_difference, unflatten
 
 DIFF, MODULE, DYNAMIC, CACHE, STATIC = "diff", "module", "dynamic", "cache", "static"
 
@@ -100,9 +101,12 @@ def parse_arguments(
     """Check the annotations of ``args``; return their kinds and the wrapped values (of ``every``
     argument: the positional ones and then the keyword ones, when given)."""
     if not callable(f):
+        got = f"{describe_type(f)}(...), {short_repr(f)}" if isinstance(f, Annotation) else f"{describe_type(f)}, {short_repr(f)}"
+        swapped = any(callable(arg) and not isinstance(arg, Annotation) for arg in args)
         raise TypeError(
-            f"activity.{op_name}: the first argument must be the function to differentiate, "
-            f"got {describe_type(f)} {f!r:.60}. Call activity.{op_name}(f, Active(x), ...)."
+            f"activity.{op_name}: the first argument must be the function f; got {got}. "
+            + ("f seems to come later among the arguments (swapped?): " if swapped else "")
+            + f"pass f first, then its annotated arguments: activity.{op_name}(f, Active(x), ...)."
         )
     every = args if every is None else every
     if not every:
@@ -232,7 +236,7 @@ def array_meta(leaf: Any) -> tuple[Any, ...]:
 
 def _describe(meta: tuple[Any, ...]) -> str:
     if meta[0] == "static":
-        return f"the value {meta[1]!r:.60}"  # repr tells 2.0 from 2 and "2", which differ here
+        return f"the value {short_repr(meta[1])}"  # repr tells 2.0 from 2 and "2", which differ here
     if meta[0] == "placeholder":
         return f"a placeholder ({meta[1]} of shape {meta[2]} and dtype {meta[3]})"
     if meta[0] == "module":
@@ -426,7 +430,8 @@ class Problem:
                 if predicate:
                     chosen = [name for name in names if _answer(where, prefix + name, named[name], label)]
                 else:
-                    chosen = [name for name in names if _module_mark(marks[index], name, label)]
+                    mark = _module_mask(marks[index], names, leaf, label)
+                    chosen = [name for name in names if _module_mark(mark, name, label)]
                 selected.append(tuple(chosen))
             elif predicate:
                 asked.append(paths[index])
@@ -534,6 +539,8 @@ class Problem:
             roles.append(role)
             statics.append(leaf if role == STATIC else None)
             metas.append(meta)
+        if kind == "active" and in_tree and adapter is None and where is None and any(type(leaf) is float for leaf in leaves):
+            self._warn_of_static_numbers(position, value, spec, leaves)
         if kind == "active" and DIFF not in roles and not any(
             self.module_names.get((position, i)) for i, r in enumerate(roles) if r == MODULE
         ):
@@ -546,6 +553,44 @@ class Problem:
         self.roles.append(tuple(roles))
         self.statics.append(tuple(statics))
         self.signature.append((kind, spec, tuple(metas), selection))
+
+    def _warn_of_static_numbers(self, position: int, value: Any, spec: Any, leaves: list[Any]) -> None:
+        """A Python float next to arrays in a plain dict or list of an Active argument (``{"w": w,
+        "lr": 0.1}``) is a static hyper-parameter and gets None, as Equinox's filters treat it: a
+        user who meant to differentiate it is told so, once per structure. A float field of a
+        model's own object (an Equinox module's ``Dropout.p``) is a hyper-parameter by that
+        library's convention, and a whole ``Active(2.0)`` is differentiated: neither is told. Once
+        per call site and structure, whatever the warning filters (a training loop is told once)."""
+        parents = leaf_parents(value)
+        found = [
+            index
+            for index, (leaf, parent) in enumerate(zip(leaves, parents))
+            if type(leaf) is float and type(parent) in (dict, list) and _holds_arrays(parent)
+        ]
+        if not found:
+            return
+        paths = leaf_paths(value)
+        level = caller_stacklevel()
+        caller = sys._getframe(level - 1)  # the frame the warning points at: the user's call
+        key = (caller.f_code.co_filename, caller.f_lineno, spec, tuple(paths[index] for index in found))
+        try:
+            if key in _WARNED_NUMBERS:
+                return
+            if len(_WARNED_NUMBERS) > 4096:  # bounded: a program that builds ever new structures
+                _WARNED_NUMBERS.clear()
+            _WARNED_NUMBERS.add(key)
+        except TypeError:  # a structure that cannot be hashed: told each time
+            pass
+        shown = ", ".join(f"{paths[index]} = {short_repr(leaves[index], 20)}" for index in found[:3])
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        warnings.warn(
+            f"activity.{self.op_name}: {self.label(position)} (Active) holds a Python float next to arrays at "
+            f"{shown}{more}. A Python number inside a pytree is a static hyper-parameter: it is not "
+            f"differentiated and gets None in the result. Pass it as its own Constant(...) argument to say "
+            f"so, or as an array (jnp.asarray(x), torch.tensor(x)) to differentiate it.",
+            UserWarning,
+            stacklevel=level,
+        )
 
     def _warn_of_gradient_hooks(self, position: int, named: list[tuple[str, Any]]) -> None:
         """Gradient hooks on differentiated torch tensors (``Tensor.register_hook``: clipping,
@@ -721,7 +766,7 @@ class Problem:
                     f"{': ' + difference if difference else ''}."
                 )
             if expected[1] != actual[1]:
-                return f"{self.label(position)}: pytree structure changed: {_difference(expected[1], value)}."
+                return f"{self.label(position)}: pytree structure changed: {structure_difference(expected[1], value)}."
             for index, (meta_e, meta_a) in enumerate(zip(expected[2], actual[2])):
                 if not _same_meta(meta_e, meta_a):
                     path = self.leaf_path(position, value, index)
@@ -882,7 +927,7 @@ class Problem:
     def _check_output(self, out: Any, ys: list[Any], scalar: bool, has_aux: bool = False) -> None:
         if not ys:
             raise TypeError(
-                f"activity.{self.op_name}: f returned {out!r:.60}, which holds no array. "
+                f"activity.{self.op_name}: f returned {short_repr(out)}, which holds no array. "
                 f"f must return an array, a float, or a pytree of arrays."
             )
         for index, y in enumerate(ys):
@@ -981,7 +1026,7 @@ class Problem:
             except (ValueError, TypeError):
                 raise ValueError(
                     f"activity.{self.op_name}: {label} must have the structure of the Active {self.label(position)} "
-                    f"(as its result has): {_difference(spec, part)}."
+                    f"(as its result has): {structure_difference(spec, part)}."
                 ) from None
             for index, (role, sub) in enumerate(zip(self.roles[position], subtrees)):
                 if role == DIFF:
@@ -1032,6 +1077,15 @@ class Problem:
         dummy = unflatten(self.specs[position], list(range(self.specs[position].num_leaves)))
         return leaf_paths(dummy)[index]
 
+_WARNED_NUMBERS: set[tuple[Any, ...]] = set()  # (file, line, structure, paths) told of a Python float beside arrays
+
+
+def _holds_arrays(node: dict[Any, Any] | list[Any]) -> bool:
+    """Whether a plain dict or list holds an array, directly or below."""
+    children = node.values() if isinstance(node, dict) else node
+    return any(arrays.is_array(leaf) for child in children for leaf in flatten(child)[0])
+
+
 def _mask_change(expected: tuple[Any, ...] | None, actual: tuple[Any, ...] | None) -> str:
     def count(selection: tuple[Any, ...] | None) -> str:
         if selection is None:
@@ -1052,7 +1106,7 @@ def _answer(where: Callable[[str, Any], Any], path: str, leaf: Any, label: str) 
     answer = where(path, leaf)
     if not isinstance(answer, (bool, np.bool_)):
         raise TypeError(
-            f"{label}: where({path!r}, ...) returned {type(answer).__name__} {answer!r:.40}; it must return "
+            f"{label}: where({path!r}, ...) returned {type(answer).__name__} {short_repr(answer, 40)}; it must return "
             f"True (differentiate this leaf) or False (keep it constant)."
         )
     return bool(answer)
@@ -1069,7 +1123,7 @@ def _broadcast_mask(where: Any, tree: Any, value: Any, label: str) -> list[Any]:
     except (ValueError, TypeError):
         raise TypeError(
             f"{label}: the mask does not have a prefix of the value's structure: "
-            f"{structure_difference(flatten(where)[1], tree, prefix=True) if flatten(where)[1].num_leaves else 'it is empty'}. "
+            f"{structure_difference(tree, where, prefix=True) if flatten(where)[1].num_leaves else 'it is empty'}. "
             f"Give one bool per part (a dict of bools for a dict, ...), or a callable where(path, leaf)."
         ) from None
     marks: list[Any] = []
@@ -1078,6 +1132,37 @@ def _broadcast_mask(where: Any, tree: Any, value: Any, label: str) -> list[Any]:
     if len(marks) != len(leaves):
         raise TypeError(f"{label}: the mask does not line up with the value's leaves; use a callable where(path, leaf).")
     return marks
+
+
+def _module_mask(mark: Any, names: Sequence[str], module: Any, label: str) -> Any:
+    """A torch module's dict mask with its nested dicts read as dotted names (``{"head": {"bias":
+    False}}`` is ``{"head.bias": False}``), checked: a key that names no parameter of the module
+    and no submodule holding one (a misspelt ``"wieght"``) is a TypeError naming it, with the
+    closest name. A bool mark is returned as is."""
+    if not isinstance(mark, dict):
+        return mark
+    dotted: dict[str, Any] = {}
+    pending = [("", mark)]
+    while pending:
+        prefix, part = pending.pop()
+        for key, value in part.items():
+            if isinstance(value, dict):
+                pending.append((f"{prefix}{key}.", value))
+            else:
+                dotted[f"{prefix}{key}"] = value
+    # every name a key may give: the parameters (frozen and tied ones too) and the submodules holding them
+    known = set(names) | {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    known |= {name.rsplit(".", depth)[0] for name in list(known) for depth in range(1, name.count(".") + 1)}
+    for key in dotted:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"{label}: the mask key {key!r} names no parameter or submodule of the {type(module).__name__}{hint}. "
+                f"Its parameters are {list(names)[:6]}{' ...' if len(names) > 6 else ''}: key the mask by them, "
+                f"or by a prefix (a submodule such as 'head'), or pass a callable where(path, leaf)."
+            )
+    return dotted
 
 
 def _module_mark(mark: Any, name: str, label: str) -> bool:
@@ -1092,15 +1177,6 @@ def _module_mark(mark: Any, name: str, label: str) -> bool:
             f"parameter or a prefix of its name (a submodule such as 'head'), or a callable where(path, leaf)."
         )
     return bool(mark[max(keys, key=len)])
-
-
-def _difference(expected: Any, tree: Any) -> str:
-    """What differs between a structure and a tree, in one line; the two structures too when short."""
-    difference = structure_difference(expected, tree)
-    got = flatten(tree)[1]
-    if len(repr(expected)) + len(repr(got)) <= 200:
-        return f"expected {expected}, got {got} ({difference})"
-    return difference
 
 
 def _static_number_hint(expected: tuple[Any, ...], actual: tuple[Any, ...]) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import difflib
 import functools
 import sys
 import types
@@ -29,6 +30,8 @@ from typing import Any, Callable
 
 import attrs
 import optree
+
+from ._errors import short_repr
 
 NAMESPACE = "activity"
 
@@ -598,6 +601,24 @@ def _unflatten_without_new(spec: optree.PyTreeSpec, leaves: Any) -> Any:
     return spec.one_level().unflatten(children)  # type: ignore[union-attr]  # a node has one level
 
 
+def leaf_parents(tree: Any) -> list[Any]:
+    """The node that directly holds each leaf of ``tree``, in ``flatten`` order (None for a
+    tree that is one leaf): whether a leaf sits in a plain dict or inside a model's object."""
+    flatten(tree)  # registers any new node types first
+    parents: list[Any] = []
+
+    def visit(node: Any, parent: Any) -> None:
+        children, spec = _one_level(node)
+        if spec.is_leaf():
+            parents.append(parent)
+            return
+        for child in children:
+            visit(child, node)
+
+    visit(tree, None)
+    return parents
+
+
 def leaf_paths(tree: Any, prefix: str = "") -> list[str]:
     """Readable paths of the leaves of ``tree``, in ``flatten`` order (for error messages)."""
     flatten(tree)  # registers any new node types first
@@ -616,45 +637,115 @@ def _codify(accessor: Any) -> str:
     return "".join(parts)
 
 
-def structure_difference(expected: optree.PyTreeSpec, tree: Any, prefix: bool = False) -> str:
-    """Where ``tree`` differs from the structure ``expected``, in one line (for messages):
-    the first leaf path one has and the other lacks, or the first node of another type.
-    With ``prefix``, ``expected`` is a prefix of the structure (a mask): a leaf of it
-    stands for every leaf of ``tree`` below it."""
-    want = leaf_paths(unflatten(expected, list(range(expected.num_leaves))))
-    got = leaf_paths(tree)
-    if prefix:
-        def below(path: str, top: str) -> bool:
-            return path == top or (path.startswith(top) and path[len(top)] in "[.")
-
-        missing = [top for top in want if not any(below(path, top) for path in got)]
-        extra = [path for path in got if not any(below(path, top) for top in want)]
-    else:
-        missing = [path for path in want if path not in set(got)]
-        extra = [path for path in got if path not in set(want)]
-    parts = []
-    if missing:
-        parts.append(f"missing {missing[0] or 'the root'}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
-    if extra:
-        parts.append(f"unexpected {extra[0] or 'the root'}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else ""))
-    if not parts:
-        have = flatten(tree)[1]
-        kinds = (expected.type.__name__ if expected.type else "a leaf", have.type.__name__ if have.type else "a leaf")
-        parts.append(f"a {kinds[1]} where a {kinds[0]} is expected" if kinds[0] != kinds[1] else (
-            "the static data of a node differs (a field not flattened as a leaf: an eqx.field(static=True), "
-            "a register_dataclass meta field, a function a distribution holds)"
-            + _static_data_difference(unflatten(expected, [None] * expected.num_leaves), tree)
-        ))
-    return "; ".join(parts)
+def structure_difference(expected: Any, got: Any, prefix: bool = False, limit: int = 3) -> str:
+    """Where ``got`` differs from the structure ``expected``, in one line of paths (for messages):
+    ``"missing ['b']; unexpected ['ww'] (did you mean 'w'?); a list at ['c'] where a tuple is
+    expected"``. Either side is a tree or a ``PyTreeSpec``; ``expected`` is the structure the
+    user's ``got`` must have (the Active value's, f's output's). With ``prefix``, ``got`` may stop
+    above ``expected``'s leaves (a mask: a leaf of it stands for every leaf below it). Each kind
+    of difference names its first ``limit`` paths. This is the one place structures are told in
+    messages: a raw ``PyTreeSpec(...)`` means nothing to a user."""
+    want, have = _as_tree(expected), _as_tree(got)
+    try:
+        return _walked_difference(want, have, prefix, limit)
+    except Exception:  # noqa: BLE001 - a node that cannot be walked one level: tell the leaf paths alone
+        want_paths, have_paths = leaf_paths(want), leaf_paths(have)
+        missing = [path for path in want_paths if path not in set(have_paths)]
+        extra = [path for path in have_paths if path not in set(want_paths)]
+        parts = [f"missing {_some(missing, limit)}"] * bool(missing) + [f"unexpected {_some(extra, limit)}"] * bool(extra)
+        return "; ".join(parts) or "the same paths, in another structure"
 
 
-def _static_data_difference(expected: Any, tree: Any) -> str:
+def _walked_difference(want: Any, have: Any, prefix: bool, limit: int) -> str:
+    """`structure_difference` of two trees, walked node by node from the root."""
+    flatten(have)  # registers any new node types first
+    missing: list[str] = []
+    unexpected: list[str] = []
+    changed: list[str] = []
+    pending = [("", want, have)]
+    while pending:
+        path, w, h = pending.pop(0)
+        w_children, w_spec = _one_level(w)
+        h_children, h_spec = _one_level(h)
+        if h_spec.is_leaf() and (w_spec.is_leaf() or prefix):
+            continue
+        where = path or "the root"
+        retyped = w_spec.is_leaf() or h_spec.is_leaf() or type(w) is not type(h)
+        if retyped:
+            changed.append(f"{_node_name(h, h_spec)} at {where} where {_node_name(w, w_spec)} is expected")
+            if w_spec.is_leaf() or h_spec.is_leaf() or not set(_entries(w)) & set(_entries(h)):
+                continue  # nothing below to compare; else (a dict for an nnx.State) say what differs inside too
+        w_entries, h_entries = _entries(w), _entries(h)
+        if w_entries != h_entries:
+            lacking = [entry for entry in w_entries if entry not in h_entries]
+            extra = [entry for entry in h_entries if entry not in w_entries]
+            missing += [path + entry for entry in lacking]
+            unexpected += [path + entry + _did_you_mean(entry, lacking) for entry in extra]
+            if not lacking and not extra:
+                changed.append(f"the entries at {where} are in another order")
+            pairs = dict(zip(h_entries, h_children))
+            pending += [(path + entry, child, pairs[entry]) for entry, child in zip(w_entries, w_children) if entry in pairs]
+        elif w_spec != h_spec and not retyped:
+            changed.append(
+                "the static data of a node differs (a field not flattened as a leaf: an eqx.field(static=True), "
+                "a register_dataclass meta field, a function a distribution holds)"
+                + _static_data_difference(w, h, path)
+            )
+        else:
+            pending += [(path + entry, *pair) for entry, pair in zip(w_entries, zip(w_children, h_children))]
+    parts = [f"missing {_some(missing, limit)}"] * bool(missing) + [f"unexpected {_some(unexpected, limit)}"] * bool(unexpected)
+    parts += changed[:limit]
+    return "; ".join(parts) or "the same paths, in another structure"
+
+
+def _as_tree(tree: Any) -> Any:
+    """A tree for a ``PyTreeSpec`` (its leaves numbered), else ``tree`` itself."""
+    if isinstance(tree, optree.PyTreeSpec):
+        return unflatten(tree, list(range(tree.num_leaves)))
+    return tree
+
+
+def _entries(node: Any) -> list[str]:
+    """The paths of ``node``'s children, one level down, as messages print them."""
+    accessors = optree.tree_flatten_with_accessor(node, is_leaf=_below(node), namespace=NAMESPACE)[0]
+    return [_codify(accessor) for accessor in accessors]
+
+
+def _node_name(node: Any, spec: optree.PyTreeSpec) -> str:
+    """What a node is, for messages: "a leaf", "None", "a dict", "a list of 2"."""
+    if spec.is_leaf():
+        return "a leaf"
+    if node is None:
+        return "None"
+    name = type(node).__name__
+    size = f" of {len(node)}" if isinstance(node, (list, tuple)) else ""
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name + size
+
+
+def _some(paths: list[str], limit: int) -> str:
+    shown = ", ".join(path or "the root" for path in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def _did_you_mean(entry: str, candidates: list[str]) -> str:
+    """`` (did you mean 'w'?)`` for a misspelt key or attribute ``entry`` (``['ww']``) among the
+    entries ``candidates`` a node lacks, or ""."""
+    key = entry[1:-1] if entry.startswith("[") else entry
+    keys = {(c[1:-1] if c.startswith("[") else c): c for c in candidates}
+    if not key or key.lstrip("-").isdigit():  # list positions are no spelling
+        return ""
+    plain = {k.strip("'\"."): k for k in keys}
+    close = difflib.get_close_matches(key.strip("'\"."), list(plain), n=1)
+    return f" (did you mean {plain[close[0]]}?)" if close else ""
+
+
+def _static_data_difference(expected: Any, tree: Any, start: str = "") -> str:
     """Which node's static data differs between two trees of the same leaves, and where in it,
     as ``": at ['model'], the JointDistributionSequential's [1]['callable_params']['model'][1]
     is <function joint.<locals>.<lambda>>, prepared with <function joint.<locals>.<lambda>> (another
     object)"``; "" where
     that is not told (a node no JAX treedef describes)."""
-    pending = [("", expected, tree)]
+    pending = [(start, expected, tree)]
     while pending:
         path, want, have = pending.pop(0)
         want_children, want_spec = _one_level(want)
@@ -666,7 +757,7 @@ def _static_data_difference(expected: Any, tree: Any) -> str:
             if detail is None:
                 return ""
             inner, then, now = detail
-            now_text, then_text = _short(now), _short(then)
+            now_text, then_text = short_repr(now, 80), short_repr(then, 80)
             same = " (another object)" if now_text == then_text else ""  # a new lambda of the same code
             return f": at {path or 'the root'}, the {type(have).__name__}'s {inner} is {now_text}, prepared with {then_text}{same}"
         accessors = optree.tree_flatten_with_accessor(have, is_leaf=_below(have), namespace=NAMESPACE)[0]
@@ -711,13 +802,6 @@ def _first_difference(then: Any, now: Any, path: str) -> tuple[str, Any, Any] | 
             if found is not None:
                 return found
     return (path or "static data"), then, now
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, types.FunctionType):  # without its address, which tells nothing
-        return f"<function {value.__qualname__}>"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def captured_values(function: Any) -> list[Any]:

@@ -74,7 +74,7 @@ def test_nested_annotation(outer, inner):
 
 @pytest.mark.parametrize("not_f", [jnp.ones(3), "f", Active(jnp.ones(3))], ids=["array", "str", "Active"])
 def test_first_argument_must_be_callable(not_f):
-    with pytest.raises(TypeError, match=r"first argument must be the function to differentiate.*activity\.gradient\(f, Active\(x\)"):
+    with pytest.raises(TypeError, match=r"first argument must be the function f; got .*pass f first.*activity\.gradient\(f, Active\(x\)"):
         ad.gradient(not_f, Active(jnp.ones(3)))
 
 
@@ -196,7 +196,7 @@ def test_cotangent_of_the_wrong_shape_or_structure(op, backend):
     xp = xp_for(backend)
     with pytest.raises(ValueError, match=r"cotangent has shape \(4,\), but f's output there has shape \(3,\)"):
         op(lambda x: x**2, Active(x), cotangent=xp.ones(4), backend=backend)
-    with pytest.raises(ValueError, match=r"cotangent must have the structure of f's output.*expected PyTreeSpec\(\{'a'"):
+    with pytest.raises(ValueError, match=r"cotangent must have the structure of f's output: missing \['b'\]\.$"):
         op(lambda x: {"a": x, "b": x}, Active(x), cotangent={"a": x}, backend=backend)
     with pytest.raises(ValueError, match=r"cotangents\[i\] must have the structure of f's output"):
         op(lambda x: {"a": x}, Active(x), cotangents=[x, x], backend=backend)
@@ -373,7 +373,7 @@ MISMATCHES = [
     pytest.param(lambda: (_p(), torch.ones(2)),
                  r"argument 1\b.*expected a jax array.*got a torch tensor", id="framework"),
     pytest.param(lambda: ({**_p(), "c": jnp.ones(2)}, jnp.ones(2)),
-                 r"argument 0\b.*pytree structure changed: expected PyTreeSpec\(\{'b': \*, 'w': \*\}\), got PyTreeSpec\(\{'b': \*, 'c': \*, 'w': \*\}\)",
+                 r"argument 0\b.*pytree structure changed: unexpected \['c'\]\.",
                  id="structure"),
     pytest.param(lambda: (Constant(_p()), Active(jnp.ones(2))),
                  r"argument 0\b.*prepared as Active, called as Constant", id="kind"),

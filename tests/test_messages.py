@@ -363,3 +363,252 @@ def test_remove_frames_mode_leaves_no_jax_cause_on_activity_errors():
         jax.config.update("jax_traceback_filtering", before)
     assert error.__cause__ is None and not getattr(error, "__notes__", None)
     assert type(f_error.__cause__).__name__ == "UnfilteredStackTrace"  # f's error: as JAX reports it
+
+
+# ============================================================================ a misspelt where= mask key
+
+
+def test_a_misspelt_mask_key_is_the_unexpected_one_with_the_close_match_named():
+    params = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(3.0)}
+    loss = lambda p: jnp.sum(p["w"] * p["b"])  # noqa: E731
+    text = message(lambda: ad.gradient(loss, Active(params, where={"ww": True, "b": False})), TypeError)
+    assert "argument 0" in text and "where=" in text
+    # the user's key is the unexpected one, the value's own key the missing one
+    assert "missing ['w']; unexpected ['ww'] (did you mean 'w'?)" in text, text
+    assert "missing ['ww']" not in text and "unexpected ['w']" not in text
+    # the fix the message names: the gradient of w only
+    got = ad.gradient(loss, Active(params, where={"w": True, "b": False}))
+    assert got["b"] is None
+    np.testing.assert_allclose(got["w"], jax.grad(lambda w: loss({"w": w, "b": params["b"]}))(params["w"]))
+
+
+def test_a_mask_key_far_from_any_name_gets_no_guess():
+    params = {"weight": jnp.ones(2), "bias": jnp.ones(())}
+    text = message(lambda: ad.gradient(lambda p: jnp.sum(p["weight"]), Active(params, where={"weight": True, "zzz": False})), TypeError)
+    assert "missing ['bias']; unexpected ['zzz']." in text and "did you mean" not in text
+
+
+def test_a_misspelt_torch_module_mask_key_is_named_with_the_parameter_it_resembles():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    loss = lambda net, x: net(x).sum()  # noqa: E731
+    text = message(lambda: ad.gradient(loss, Active(net, where={"0.wieght": True, "0.bias": False, "2": False}), Constant(x)), TypeError)
+    assert "the mask key '0.wieght' names no parameter or submodule of the Sequential (did you mean '0.weight'?)" in text
+    assert "says nothing about" not in text  # the misspelling, not its consequence, is what is told
+    got = ad.gradient(loss, Active(net, where={"0.weight": True, "0.bias": False, "2": False}), Constant(x))
+    assert list(got) == ["0.weight"]
+    torch.testing.assert_close(got["0.weight"], torch.autograd.grad(loss(net, x), net[0].weight)[0])
+
+
+def test_a_nested_torch_module_mask_selects_as_the_dotted_one():
+    """``{"0": {"weight": True, "bias": False}}`` is ``{"0.weight": True, "0.bias": False}`` (it
+    used to select all of "0", the inner dict read as True); a misspelling inside is named too."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    loss = lambda net, x: net(x).sum()  # noqa: E731
+    got = ad.gradient(loss, Active(net, where={"0": {"weight": True, "bias": False}, "2": False}), Constant(x))
+    assert list(got) == ["0.weight"]
+    torch.testing.assert_close(got["0.weight"], torch.autograd.grad(loss(net, x), net[0].weight)[0])
+    text = message(lambda: ad.gradient(loss, Active(net, where={"0": {"bais": False, "weight": True}, "2": False}), Constant(x)), TypeError)
+    assert "the mask key '0.bais' names no parameter" in text and "(did you mean '0.bias'?)" in text
+
+
+# ============================================================================ a list for tangent= is a batch: tangents=
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+@pytest.mark.parametrize("op", [ad.pushforward, ad.hvp], ids=lambda op: op.__name__)
+def test_a_list_passed_as_one_tangent_suggests_tangents(op, framework):
+    xp = jnp if framework == "jax" else torch
+    x, ts = xp.ones(3), [xp.ones(3), 2 * xp.ones(3)]
+    f = lambda x: (x**3).sum()  # noqa: E731
+    text = message(lambda: op(f, Active(x), tangent=ts), ValueError)
+    assert f"activity.{op.__name__}: tangent is a list; it must be a float array of shape (3,)." in text
+    assert "If this list of 2 is a batch of tangents (one result for each), pass it as tangents=[...] instead of tangent=." in text
+    batch = op(f, Active(x), tangents=ts)  # the fix: one result per tangent
+    assert len(batch) == 2
+    for got, t in zip(batch, ts):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(op(f, Active(x), tangent=t)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_list_passed_as_one_cotangent_suggests_cotangents(framework):
+    xp = jnp if framework == "jax" else torch
+    x, cts = xp.ones(3), [xp.ones(3), 2 * xp.ones(3)]
+    text = message(lambda: ad.pullback(lambda x: x**2, Active(x), cotangent=cts), ValueError)
+    assert "cotangent must have the structure of f's output: a list of 2 at the root where a leaf is expected." in text
+    assert "pass it as cotangents=[...] instead of cotangent=." in text
+    assert len(ad.pullback(lambda x: x**2, Active(x), cotangents=cts)) == 2
+
+
+def test_a_list_tangent_of_a_list_valued_active_is_no_batch():
+    """A list-valued Active takes a list tangent: valid, and a mistake in it is not told to be a batch."""
+    x = [jnp.ones(3), jnp.ones(2)]
+    f = lambda p: jnp.sum(p[0] ** 2) + jnp.sum(p[1])  # noqa: E731
+    got = ad.pushforward(f, Active(x), tangent=[jnp.ones(3), jnp.ones(2)])
+    assert float(got) == pytest.approx(8.0)
+    text = message(lambda: ad.pushforward(f, Active(x), tangent=[jnp.ones(2), jnp.ones(2)]), ValueError)
+    assert "tangent[0] has shape (2,), expected (3,)" in text and "tangents=" not in text
+    two = ad.pushforward(lambda a, b: jnp.sum(a * b), Active(jnp.ones(2)), Active(jnp.ones(2)), tangent=[jnp.ones(2), jnp.ones(2)])
+    assert float(two) == pytest.approx(4.0)  # a list of one tangent per Active, as a tuple
+    out = ad.pullback(lambda a: [a, 2 * a], Active(jnp.ones(2)), cotangent=[jnp.ones(2), jnp.ones(2)])
+    np.testing.assert_allclose(out, [3.0, 3.0])  # f returns a list: a list cotangent
+
+
+# ============================================================================ jax.grad habits: argnums=, holomorphic=, allow_int=
+
+
+def test_argnums_is_told_that_annotations_replace_it():
+    x, y = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+    f = lambda x, y: jnp.sum(x * y)  # noqa: E731
+    for call in (lambda: ad.gradient(f, Active(x), Constant(y), argnums=0), lambda: ad.prepare(ad.gradient, f, Active(x), Constant(y), argnums=0)):
+        text = message(call, TypeError)
+        assert "activity.gradient got the keyword argument argnums=0, a jax.grad option." in text
+        assert "Wrap the argument to differentiate in Active(...) and the others in Constant(...)" in text
+        assert "activity.gradient(f, Active(x), Constant(y))" in text
+    np.testing.assert_allclose(ad.gradient(f, Active(x), Constant(y)), jax.grad(f, argnums=0)(x, y))  # the fix
+    # an annotated argnums= is an argument for f, as any annotated keyword
+    assert float(ad.gradient(lambda x, argnums: jnp.sum(x) * argnums, Active(x), argnums=Constant(3.0))[0]) == 3.0
+
+
+@pytest.mark.parametrize("name, value, fix", [("holomorphic", True, "real and imaginary parts"), ("allow_int", True, "get None in the result")])
+def test_other_jax_grad_options_are_told_what_activity_does_instead(name, value, fix):
+    text = message(lambda: ad.jacobian(lambda x: x**2, Active(jnp.ones(2)), **{name: value}), TypeError)
+    assert f"activity.jacobian got the keyword argument {name}=True, a jax.grad option. activity has no {name}=" in text
+    assert fix in text and "The options here are backend=, has_aux=." in text
+
+
+# ============================================================================ structures are told by path, never as a PyTreeSpec
+
+
+P = {"w": jnp.ones(2), "b": jnp.ones(())}
+
+
+@pytest.mark.parametrize(
+    "call, told",
+    [
+        pytest.param(lambda: ad.pushforward(lambda p: p["w"], Active(P), tangent={"w": jnp.ones(2), "bb": jnp.ones(())}),
+                     "(as its result has): missing ['b']; unexpected ['bb'] (did you mean 'b'?).", id="tangent"),
+        pytest.param(lambda: ad.pullback(lambda p: p, Active(P), cotangent={"w": jnp.ones(2)}),
+                     "cotangent must have the structure of f's output: missing ['b'].", id="cotangent"),
+        pytest.param(lambda: ad.prepare(ad.gradient, lambda p: p["w"].sum(), Active(P))({**P, "c": jnp.ones(())}),
+                     "argument 0 (counting from 0 after f): pytree structure changed: unexpected ['c'].", id="prepared"),
+        pytest.param(lambda: ad.prepare(ad.pullback, lambda p: p, Active(P), cotangent=P)(P, cotangent={"w": jnp.ones(2)}),
+                     "the cotangent's structure changed: missing ['b'].", id="prepared-cotangent"),
+        pytest.param(lambda: ad.gradient(lambda p: p["w"].sum(), Active(P, where=[True, False])),
+                     "the mask does not have a prefix of the value's structure: a list of 2 at the root where a dict is expected.",
+                     id="mask"),
+        pytest.param(lambda: ad.testing.assert_tree_allclose({"a": (np.ones(1),)}, {"a": [np.ones(1)]}, rtol=0, atol=0),
+                     "pytree structures differ: a tuple of 1 at ['a'] where a list of 1 is expected", id="testing-kit"),
+    ],
+)
+def test_structure_differences_name_paths_not_treespecs(call, told):
+    text = message(call)
+    assert told in text, text
+    assert "PyTreeSpec" not in text
+
+
+def test_a_strict_false_structure_change_is_told_by_path():
+    prep = ad.prepare(ad.gradient, lambda p: p["w"].sum(), Active(P), strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(12):
+            prep({**P, **{f"extra{i}": jnp.ones(()) for i in range(n + 1)}})
+    texts = [str(w.message) for w in caught if "prepared again" in str(w.message)]
+    assert texts and all("PyTreeSpec" not in text for text in texts)
+    assert "argument 0 (Active): structure changed: unexpected ['extra" in texts[0], texts[0]
+
+
+def test_structure_difference_reads_as_paths():
+    from activity._tree import flatten, structure_difference
+
+    spec = flatten({"layer": {"w": 0, "b": 0}, "rest": (0, 0)})[1]
+    assert structure_difference(spec, {"layer": {"w": 0, "bias": 0}, "rest": (0, 0)}) == "missing ['layer']['b']; unexpected ['layer']['bias']"
+    assert structure_difference(spec, {"layer": {"w": 0, "b": 0}, "rest": [0, 0]}) == "a list of 2 at ['rest'] where a tuple of 2 is expected"
+    assert structure_difference(spec, {"layer": {"w": 0, "b": 0}, "rest": (0, 0, 0)}) == "unexpected ['rest'][2]"
+    many = flatten({f"k{i}": 0 for i in range(6)})[1]
+    assert structure_difference(many, {}) == "missing ['k0'], ['k1'], ['k2'] and 3 more"
+    # a mask (prefix): a bool stands for the whole part below it
+    assert structure_difference(spec, {"layr": True, "rest": False}, prefix=True) == "missing ['layer']; unexpected ['layr'] (did you mean 'layer'?)"
+
+
+# ============================================================================ f and its first argument swapped
+
+
+def test_swapped_f_and_argument_names_the_mistake():
+    loss = lambda x: jnp.sum(x**2)  # noqa: E731
+    text = message(lambda: ad.gradient(Active(jnp.ones(3)), loss), TypeError)
+    assert text.startswith("activity.gradient: the first argument must be the function f; got an Active(...), ")
+    assert "Active(Array([1., 1., 1.], dtype=float32))" in text
+    assert "(swapped?)" in text and "pass f first, then its annotated arguments: activity.gradient(f, Active(x), ...)" in text
+    np.testing.assert_allclose(ad.gradient(loss, Active(jnp.ones(3))), [2.0, 2.0, 2.0])  # the fix
+
+
+def test_a_long_repr_is_cut_between_tokens():
+    params = {"weights": jnp.ones((30, 30)), "b": jnp.ones(3)}
+    text = message(lambda: ad.gradient(Active(params), lambda p: jnp.sum(p["weights"])), TypeError)
+    shown = text.split("got an Active(...), ")[1].split(". f seems")[0]
+    assert shown.startswith("Active({'weights': Array([[1., 1.,") and shown.endswith("1., ...]])})"), shown
+    assert "1. Call" not in text and "\n" not in text
+
+
+def test_short_repr_cuts_on_token_boundaries():
+    from activity._errors import short_repr
+
+    numbers = list(range(1000, 1100))
+    shown = short_repr(numbers)
+    assert shown.startswith("[1000, 1001,") and shown.endswith(", ...]") and len(shown) <= 64
+    assert all(len(token) == 4 for token in shown[1:-6].split(", ")), shown  # no number cut in two
+    assert short_repr("x" * 200).endswith("...'")  # one long token: cut, its quote closed
+    assert short_repr(lambda x: x) == "<function test_short_repr_cuts_on_token_boundaries.<locals>.<lambda>>"
+    assert short_repr({"a": 1}) == "{'a': 1}"
+
+
+# ============================================================================ a Python float next to arrays in an Active
+
+
+@pytest.fixture
+def fresh_number_warnings(monkeypatch):
+    """The warning shows once per call site and structure in a process: each test starts afresh."""
+    import activity._problem
+
+    monkeypatch.setattr(activity._problem, "_WARNED_NUMBERS", set())
+
+
+def number_warnings(call: Callable[[], Any], times: int = 1) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(times):
+            call()
+    return [str(w.message) for w in caught if "Python float" in str(w.message)]
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_python_float_beside_arrays_is_told_once_with_its_path(framework, fresh_number_warnings):
+    xp = jnp if framework == "jax" else torch
+    loss = lambda p: (p["w"] * p["lr"]).sum()  # noqa: E731
+    texts = number_warnings(lambda: ad.gradient(loss, Active({"w": xp.ones(2), "lr": 0.1})), times=3)
+    assert len(texts) == 1, texts  # once, though called three times from one place under "always"
+    assert "argument 0 (counting from 0 after f) (Active) holds a Python float next to arrays at ['lr'] = 0.1." in texts[0]
+    assert "not differentiated and gets None in the result" in texts[0]
+    assert "Pass it as its own Constant(...) argument to say so, or as an array (jnp.asarray(x), torch.tensor(x)) to differentiate it." in texts[0]
+    # the fixes it names: as an array it is differentiated; as a Constant, nothing is told
+    lr = xp.asarray(0.1) if framework == "jax" else torch.tensor(0.1)
+    assert float(ad.gradient(loss, Active({"w": xp.ones(2), "lr": lr}))["lr"]) == pytest.approx(2.0)
+    assert number_warnings(lambda: ad.gradient(lambda p, lr: (p["w"] * lr).sum(), Active({"w": xp.ones(2)}), Constant(0.1))) == []
+
+
+def test_a_python_float_in_a_list_beside_arrays_is_told(fresh_number_warnings):
+    texts = number_warnings(lambda: ad.gradient(lambda p: jnp.sum(p[0] * p[1]), Active([jnp.ones(2), 0.5])))
+    assert len(texts) == 1 and "next to arrays at [1] = 0.5." in texts[0]
+
+
+def test_hyper_parameters_of_equinox_modules_and_whole_numbers_are_not_told(fresh_number_warnings):
+    eqx = pytest.importorskip("equinox")
+    model = [eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0)), eqx.nn.Dropout(0.5)]  # Dropout.p: a float field
+    assert number_warnings(lambda: ad.gradient(lambda m: jnp.sum(m[0](jnp.ones(2))), Active(model))) == []
+    assert number_warnings(lambda: ad.gradient(lambda m: jnp.sum(m["d"].p * m["w"]), Active({"d": eqx.nn.Dropout(0.5), "w": jnp.ones(2)}))) == []
+    assert number_warnings(lambda: ad.gradient(lambda a: a**2, Active(2.0), backend=J)) == []  # a number to differentiate
+    assert number_warnings(lambda: ad.gradient(lambda p: jnp.sum(p["w"]), Active({"w": jnp.ones(2), "step": 3}))) == []  # an int

@@ -199,13 +199,13 @@ def _():
     return lambda: ad.gradient(lambda a, d: sq(a), Active(x), Constant(data), backend=T), [x, data]
 
 
-@m("f-not-callable", TypeError, [r"first argument must be the function to differentiate, got a numpy array array\(\[1\., 2\., 3\.\]\)", r"Call activity\.gradient\(f, Active\(x\), \.\.\.\)"])
+@m("f-not-callable", TypeError, [r"first argument must be the function f; got a numpy array, array\(\[1\., 2\., 3\.\]\)", r"pass f first, then its annotated arguments: activity\.gradient\(f, Active\(x\), \.\.\.\)"])
 def _():
     x = nx()
     return lambda: ad.gradient(x, Active(x), backend=FD), [x]
 
 
-@m("f-not-callable-prepare", TypeError, [r"first argument must be the function to differentiate, got a str 'loss'", r"activity\.hvp\(f, Active\(x\)"])
+@m("f-not-callable-prepare", TypeError, [r"first argument must be the function f; got a str, 'loss'", r"activity\.hvp\(f, Active\(x\)"])
 def _():
     x = jx()
     return lambda: ad.prepare(ad.hvp, "loss", Active(x), tangent=x), [x]
@@ -404,7 +404,7 @@ def _():
     return lambda: ad.hvp(sq, Active(x), tangent="ones", backend=FD), [x]
 
 
-@m("tangent-wrong-structure-fd", ValueError, [r"tangent must have the structure of the Active argument 0\b", r"expected PyTreeSpec\(\{'a': \*, 'b': \*\}\)"])
+@m("tangent-wrong-structure-fd", ValueError, [r"tangent must have the structure of the Active argument 0\b.*: missing \['b'\]\.$"])
 def _():
     p, t = {"a": nx(), "b": nx()}, {"a": nx()}
     return lambda: ad.pushforward(lambda p: p["a"] + p["b"], Active(p), tangent=t, backend=FD), [p, t]
@@ -441,7 +441,7 @@ def _():
     return lambda: ad.pullback(lambda a: {"u": a, "v": a * 2}, Active(x), cotangent=c, backend=FD), [x, c]
 
 
-@m("cotangent-wrong-structure-jax", ValueError, [r"cotangent must have the structure of f's output: expected PyTreeSpec\(\{'u': \*, 'v': \*\}\)"])
+@m("cotangent-wrong-structure-jax", ValueError, [r"cotangent must have the structure of f's output: missing \['v'\]\.$"])
 def _():
     x, c = jx(), {"u": jx()}
     return lambda: ad.pullback(lambda a: {"u": a, "v": a * 2}, Active(x), cotangent=c), [x, c]
@@ -568,7 +568,7 @@ _register_prepared(
 )
 _register_prepared(
     "prepared-wrong-structure-torch",
-    [r"argument 0\b.*pytree structure changed: expected PyTreeSpec\(\{'b': \*, 'w': \*\}\), got PyTreeSpec\(\[\*, \*\]\)"],
+    [r"argument 0\b.*pytree structure changed: a list of 2 at the root where a dict is expected\."],
     lambda p, x: [p["w"], p["b"]], lambda p, x: x,
 )
 _register_prepared(

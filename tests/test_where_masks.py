@@ -377,7 +377,7 @@ def test_a_plain_dict_mask_of_an_nnx_module_reads_as_its_state(assert_tree_close
     assert got["scale"] is None and got["net"]["body"]["kernel"].get_value() is None
     assert_tree_close(got["net"]["head"]["kernel"].get_value(), 2 * expected["kernel"].get_value(), rtol=1e-6, atol=1e-6)
     # a wrong key still names what differs
-    with pytest.raises(TypeError, match=r"missing \['tail'\]; unexpected \['head'\]\['bias'\].value and 1 more"):
+    with pytest.raises(TypeError, match=r"missing \['head'\]; unexpected \['tail'\]"):
         ad.gradient(f, Active(net, where={"body": False, "tail": True}), Constant(x))
 
 

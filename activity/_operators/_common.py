@@ -16,7 +16,7 @@ import attrs
 
 from .. import _arrays as arrays
 from .._annotations import Annotation
-from .._errors import UnsupportedError, drop_jax_note
+from .._errors import UnsupportedError, drop_jax_note, short_repr
 from .._problem import HAS_AUX, Arguments, Problem, Traced, a, describe_type, float_advice, parse_call
 from .._tree import flatten, leaf_paths
 from ..backends import Backend, placeholders_are_allowed, resolve_backend
@@ -69,10 +69,36 @@ def refuse_annotated_options(operator: Operator, given: dict[str, Any], caller: 
             )
 
 
+_JAX_HABITS = {
+    "argnums": (
+        "activity has no argnums=: the annotations say what is differentiated. Wrap the argument to "
+        "differentiate in Active(...) and the others in Constant(...): activity.{op}(f, Active(x), Constant(y))."
+    ),
+    "holomorphic": (
+        "activity has no holomorphic=: a complex Active is refused on every backend (complex derivatives "
+        "have more than one convention). Drop holomorphic= and pass the real and imaginary parts as two real "
+        "Active arrays, f rebuilding z = re + 1j * im."
+    ),
+    "allow_int": (
+        "activity has no allow_int=: integer leaves of an Active pass through unchanged and get None in "
+        "the result. Drop allow_int=, or pass integer data as Constant(...)."
+    ),
+}
+"""Options of ``jax.grad`` (and ``jax.jacobian``, ``jax.hessian``) that activity does without:
+what to do instead, for a user who writes them out of habit."""
+
+
 def unannotated_keyword_message(
     operator: Operator, name: str, value: Any, options: Sequence[str], caller: str | None = None
 ) -> str:
     """Why ``name=value`` is refused: not an annotation, so not for f, and not an option either."""
+    habit = _JAX_HABITS.get(name)
+    if habit is not None:
+        return (
+            f"activity.{operator.name} got the keyword argument {name}={short_repr(value)}, a jax.grad option. "
+            f"{habit.format(op=operator.name)} The options{' of activity.prepare' if caller else ''} here are "
+            f"{', '.join(o + '=' for o in options)}."
+        )
     close = difflib.get_close_matches(name, options, n=1)
     hint = f"Did you mean {close[0]}=? " if close else ""
     others = {o: op.name for op in REGISTRY.values() for o in operator_options(op) if o not in options}
@@ -136,7 +162,12 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     else:
         encode = lambda tree, what: _encode_cotangent(tree, what, operator.name)  # noqa: E731
     if single is not None:
-        leaves, spec = encode(single, one)
+        try:
+            leaves, spec = encode(single, one)
+        except ValueError as error:
+            if one != "tangent" or not isinstance(single, list) or _list_like_active(problem, single):
+                raise
+            raise ValueError(f"{error}{batch_hint(one, len(single))}") from None
         return Seeds(leaves, None, spec)
     if not isinstance(batch, (list, tuple)) or len(batch) == 0:
         raise ValueError(
@@ -148,6 +179,25 @@ def encode_seeds(operator: Operator, problem: Problem, kwargs: dict[str, Any]) -
     if len(specs) > 1:
         raise ValueError(f"activity.{operator.name}: all {many} must have the same structure.")
     return Seeds(stack_batch([leaves for leaves, _ in encoded]), len(batch), encoded[0][1])
+
+
+def batch_hint(seed: str, length: int) -> str:
+    """For a list given as one tangent (or cotangent) where its structure is not a list: it is
+    likely a batch, as ``jax.vmap`` users write one, which is ``tangents=`` here."""
+    return (
+        f" If this list of {length} is a batch of {seed}s (one result for each), pass it as "
+        f"{seed}s=[...] instead of {seed}=."
+    )
+
+
+def _list_like_active(problem: Problem, tangent: list[Any]) -> bool:
+    """Whether a list tangent has the structure of the Active arguments at its root: a list-valued
+    Active's tangent is a list, and several Actives' tangents are one entry each."""
+    if len(problem.active_positions) > 1:
+        return len(tangent) == len(problem.active_positions)
+    position = problem.active_positions[0]
+    spec = problem.adapted[position][3] if position in problem.adapted else problem.specs[position]
+    return spec.type is list and spec.num_children == len(tangent)
 
 
 def _encode_cotangent(tree: Any, what: str, op_name: str) -> tuple[tuple[Any, ...], Any]:

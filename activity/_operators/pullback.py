@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any, Callable, overload, Sequence
 
 from .. import _arrays as arrays
-from .._tree import leaf_paths
+from .._tree import leaf_paths, structure_difference
 from .._annotations import Active, Annotation
 from .._problem import Problem, Traced
 from ..backends import Backend
-from ._common import call, Operator, per_seed, register, Seeds, start
+from ._common import batch_hint, call, Operator, per_seed, register, Seeds, start
 from ._typing import Data, ModuleGradient, NNXGradient, NNXModuleLike, R, T, TorchModuleLike
 
 
@@ -33,8 +33,9 @@ def checked_cotangents(problem: Any, traced: Any, seeds: Any, cts: tuple[Any, ..
     what = "cotangent" if seeds.batch is None else "cotangents[i]"
     if seeds.spec != traced.out_spec:
         raise ValueError(
-            f"activity.{problem.op_name}: {what} must have the structure of f's output: expected "
-            f"{traced.out_spec}, got {seeds.spec}."
+            f"activity.{problem.op_name}: {what} must have the structure of f's output: "
+            f"{structure_difference(traced.out_spec, seeds.spec)}."
+            + (batch_hint("cotangent", seeds.spec.num_children) if seeds.batch is None and seeds.spec.type is list else "")
         )
     lead = () if seeds.batch is None else (seeds.batch,)
     for index, (ct, y) in enumerate(zip(cts, ys)):

@@ -7,6 +7,7 @@ import contextvars
 from typing import Any, Iterator
 
 from .. import _arrays as arrays
+from .._errors import short_repr
 from .._problem import describe_type
 from .._tree import flatten, leaf_paths
 from ._base import Backend
@@ -89,7 +90,7 @@ def resolve_backend(op_name: str, backend: Any, values: tuple[Any, ...]) -> Back
         if not isinstance(backend, Backend):
             raise TypeError(
                 f"activity.{op_name}: backend must be a backend object such as {_CHOICES}; "
-                f"got {describe_type(backend)} {backend!r:.60}."
+                f"got {describe_type(backend)} {short_repr(backend)}."
             )
         for name, where in found.items():
             backend.check_framework(op_name, name, where)

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import attrs
 
+from .._errors import short_repr
 from .._operators._names import SECOND_ORDER
 from ._base import Backend, Flat, FlatFunction
 from ._finite_differences import AutoFiniteDifferences
@@ -17,7 +18,7 @@ def _is_backend(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, Backend) or isinstance(value, SecondOrder):
         raise TypeError(
             f"SecondOrder({attribute.name}=...) must be a first-order backend such as AutoJAX(), "
-            f"AutoTorch() or AutoFiniteDifferences(); got {value!r:.60}."
+            f"AutoTorch() or AutoFiniteDifferences(); got {short_repr(value)}."
         )
 
 

@@ -8,7 +8,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .. import _arrays as arrays
-from .._tree import flatten, leaf_paths, unflatten
+from .._errors import short_repr
+from .._tree import flatten, leaf_paths, structure_difference, unflatten
 
 
 def to_float64(leaf: Any) -> np.ndarray:
@@ -97,7 +98,7 @@ def assert_tree_allclose(
     expected_leaves, expected_spec = flatten(expected)
     if actual_spec != expected_spec:
         raise AssertionError(
-            f"pytree structures differ:\n  actual:   {actual_spec}\n  expected: {expected_spec}"
+            f"pytree structures differ: {structure_difference(expected, actual)} (in actual, against expected)"
         )
     paths = leaf_paths(expected) if expected_leaves else []
     failures, compared = [], 0
@@ -115,7 +116,7 @@ def assert_tree_allclose(
             else:
                 equal = a is e or _safe_equal(a, e)
             if not equal:
-                failures.append(f"  {label}: {a!r:.80} != {e!r:.80}")
+                failures.append(f"  {label}: {short_repr(a, 80)} != {short_repr(e, 80)}")
             compared += 1
             continue
         a64, e64 = to_float64(a), to_float64(e)

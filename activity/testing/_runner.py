@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import attrs
 
-from .._errors import UnsupportedError
+from .._errors import UnsupportedError, short_repr
 from .._problem import describe_type
 from ._compare import assert_tree_allclose, rounding_atol
 from ._intact import Snapshot
@@ -364,12 +364,12 @@ def as_scenarios(scenarios: Any) -> list[Scenario]:
     if isinstance(scenarios, (str, bytes)) or not isinstance(scenarios, Iterable):
         raise UsageError(
             f"scenarios must be a Scenario or a list of them (e.g. default_scenarios('jax')), got "
-            f"{describe_type(scenarios)} {scenarios!r:.60}."
+            f"{describe_type(scenarios)} {short_repr(scenarios)}."
         )
     found: list[Scenario] = list(scenarios)
     for scenario in found:
         if not isinstance(scenario, Scenario):
-            raise UsageError(f"scenarios holds {describe_type(scenario)}, not a Scenario: {scenario!r:.80}.")
+            raise UsageError(f"scenarios holds {describe_type(scenario)}, not a Scenario: {short_repr(scenario, 80)}.")
     return found
 
 
