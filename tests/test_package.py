@@ -88,6 +88,15 @@ def test_a_missing_framework_names_the_extra_that_installs_it(needed_by):
     assert f"{needed_by}: {module} is not installed; install it with {install}" in out, out
 
 
+def test_the_version_is_one_in_pyproject_and_the_package():
+    import re
+
+    import activity
+
+    (version,) = re.findall(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert version == activity.__version__
+
+
 @pytest.mark.parametrize("missing, shown", [("torch", "JAX:"), ("jax", "PyTorch:")])
 def test_quickstart_runs_with_one_framework(missing, shown):
     # A finder that refuses the module, as an environment without it would; a None in sys.modules
