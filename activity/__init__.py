@@ -35,7 +35,7 @@ from ._preparation import Prepared, prepare
 from .backends import AutoFiniteDifferences, AutoJAX, AutoTorch, Backend, SecondOrder
 from ._mixing import differentiate_with
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "Active",

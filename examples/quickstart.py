@@ -1,18 +1,21 @@
 """The card example: gradient(loss, Active(params), Constant(x)) on JAX and on PyTorch.
 
-Run with `make demo`.
+Run with `make demo`, or `python examples/quickstart.py` where only one of the two is
+installed: the other's example is skipped, with the command that installs it.
 """
 
-import jax
-import jax.numpy as jnp
+import importlib
+
 import numpy as np
-import torch
 
 import activity as ad
 from activity import Active, Constant
 
 
 def jax_example() -> None:
+    import jax
+    import jax.numpy as jnp
+
     def loss(params, x, y):
         prediction = jnp.tanh(x @ params["w"] + params["b"])
         return jnp.mean((prediction - y) ** 2)
@@ -40,6 +43,8 @@ def jax_example() -> None:
 
 
 def torch_example() -> None:
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     with torch.no_grad():
@@ -61,8 +66,22 @@ def torch_example() -> None:
     print(f"  max |AutoTorch - AutoFiniteDifferences| = {err:.1e}")
 
 
-if __name__ == "__main__":
+def main() -> int:
     np.set_printoptions(precision=4)
-    jax_example()
-    print()
-    torch_example()
+    ran = 0
+    for framework, example in (("jax", jax_example), ("torch", torch_example)):
+        try:
+            importlib.import_module(framework)
+        except ImportError:
+            print(f'{framework} is not installed: its example is skipped (pip install ".[{framework}]" from a clone)\n')
+            continue
+        example()
+        print()
+        ran += 1
+    if not ran:
+        print("Neither JAX nor PyTorch is installed: this example needs one of them.")
+    return 0 if ran else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

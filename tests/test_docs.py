@@ -11,6 +11,7 @@ Run one page by hand: ``python tests/test_docs.py docs/concepts.md``.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -26,14 +27,53 @@ FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DO
 TITLE = re.compile(r'title="([^"]+\.py)"')
 
 
+def fences(text: str) -> list[tuple[int, str, str]]:
+    """``(first line number, the fence's options, code)`` for each python block, in order."""
+    return [(text.count("\n", 0, m.start(2)) + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+
+
 def code_blocks(text: str) -> list[tuple[int, str | None, str]]:
     """``(first line number, file title or None, code)`` for each python block, in order."""
     blocks = []
-    for match in FENCE.finditer(text):
-        line = text.count("\n", 0, match.start(2)) + 1
-        title = TITLE.search(match.group(1))
-        blocks.append((line, title.group(1) if title else None, match.group(2)))
+    for line, options, code in fences(text):
+        title = TITLE.search(options)
+        blocks.append((line, title.group(1) if title else None, code))
     return blocks
+
+
+def _prints(tree: ast.AST) -> bool:
+    """Whether running the code calls ``print`` itself (not only inside a function it defines,
+    whose output shows under the block that calls it)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            return True
+        stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def blocks_without_output(text: str) -> list[tuple[int, str]]:
+    """``(line, what to do)`` for each python block whose output the site would not show.
+
+    markdown-exec shows what a block prints only where its fence says ``exec="on"`` and
+    ``result="..."``; a block ending in a bare expression (``grads["w"]``), whose value a REPL
+    would show, shows nothing even then. A call at the end is not counted: its value may be
+    None. Titled blocks are files, never run on their own.
+    """
+    found = []
+    for line, options, code in fences(text):
+        if TITLE.search(options):
+            continue
+        tree = ast.parse(code)
+        if _prints(tree) and not ('exec="on"' in options and "result=" in options):
+            found.append((line, 'prints: fence it ```python exec="on" source="material-block" result="text" session=...'))
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr) and not isinstance(last.value, (ast.Call, ast.Constant)):
+            found.append((line + last.lineno - 1, "ends in a bare expression, whose value shows nowhere: print it"))
+    return found
 
 
 def run_page(page: str) -> None:
@@ -81,6 +121,56 @@ def page_runs(tmp_path_factory):
 def test_page_code_runs(page, page_runs):
     code, stdout, stderr = page_runs.result(page)
     assert code == 0, f"{page} failed:\n{stdout[-3000:]}\n{stderr[-5000:]}"
+
+
+PLANTED = """
+```python
+x = 1
+print(x)
+```
+
+```python exec="on" source="material-block" result="text" session="p"
+print("shown")
+```
+
+```python exec="on" source="material-block" session="p"
+print("run, but not shown as a result")
+```
+
+```python exec="on" session="p"
+def show(value):
+    print(value)
+```
+
+```python exec="on" session="p"
+y = {"w": 2}
+y["w"]
+```
+
+```python exec="on" session="p"
+show(y)
+```
+
+```python title="test_file.py"
+print("a file, not a block")
+```
+
+```python
+for i in range(2):
+    print(i)
+```
+"""
+
+
+def test_blocks_without_output_finds_each_planted_block():
+    found = blocks_without_output(PLANTED)
+    assert [line for line, _ in found] == [3, 12, 22, 34], found
+    assert "prints" in found[0][1] and "bare expression" in found[2][1]
+
+
+def test_every_block_that_prints_shows_its_output():
+    found = {page: blocks_without_output((ROOT / page).read_text()) for page in PAGES}
+    assert {page: where for page, where in found.items() if where} == {}
 
 
 def test_there_are_at_least_ten_pages_and_all_are_in_the_nav():

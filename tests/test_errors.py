@@ -6,6 +6,8 @@ those tests count f's calls.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -289,6 +291,35 @@ def test_ad_over_finite_differences_is_unsupported(op):
     backend = ad.SecondOrder(J, FD)
     with pytest.raises(ad.UnsupportedError, match=rf"SecondOrder\(outer=AutoJAX\(\), inner=AutoFiniteDifferences\(.*activity\.{op.__name__}.*Active"):
         op(Counted(), Active(jnp.array(1.0)), backend=backend)
+
+
+ADVICE_CASES = [
+    pytest.param(J, jnp.ones(2), id="AutoJAX"),
+    pytest.param(ad.AutoTorch(), torch.ones(2), id="AutoTorch"),
+    pytest.param(ad.AutoFiniteDifferences(step=0.05), np.ones(2), id="AutoFiniteDifferences"),
+    pytest.param(ad.SecondOrder(ad.AutoTorch(), ad.AutoTorch(), mode="reverse-over-reverse"), torch.ones(2), id="SecondOrder"),
+]
+
+
+@pytest.mark.parametrize("backend, x", ADVICE_CASES)
+def test_unsupported_advice_is_a_call_that_runs(backend, x, monkeypatch):
+    """The advice names the backend's own repr, which evaluates for every backend; the class name
+    alone does not (``SecondOrder().capabilities()`` is a TypeError: it needs outer and inner)."""
+    # No built-in first-order backend refuses anything: make its class refuse hessian.
+    refuses = lambda self, operator, kind, mode="unprepared": operator != "hessian"  # noqa: E731
+    monkeypatch.setattr(type(backend), "supports", refuses)
+    with pytest.raises(ad.UnsupportedError) as caught:
+        ad.hessian(lambda x: (x**2).sum(), Active(x), backend=backend)
+    advice = re.search(r"See the support table: (.+)\.$", str(caught.value)).group(1)
+    assert eval(advice, vars(ad)) == backend.capabilities()
+    assert backend.capabilities()[("hessian", "active", "unprepared")] is False
+
+
+def test_unsupported_advice_of_a_backend_that_refuses_runs():
+    with pytest.raises(ad.UnsupportedError) as caught:
+        ad.hessian(Counted(), Active(jnp.array(1.0)), backend=ad.SecondOrder(J, FD))
+    advice = re.search(r"See the support table: (.+)\.$", str(caught.value)).group(1)
+    assert eval(advice, vars(ad)) == ad.SecondOrder(J, FD).capabilities()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -88,6 +88,34 @@ def test_a_missing_framework_names_the_extra_that_installs_it(needed_by):
     assert f"{needed_by}: {module} is not installed; install it with {install}" in out, out
 
 
+def test_the_version_is_one_in_pyproject_and_the_package():
+    import re
+
+    import activity
+
+    (version,) = re.findall(r'^version = "([^"]+)"$', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert version == activity.__version__
+
+
+@pytest.mark.parametrize("missing, shown", [("torch", "JAX:"), ("jax", "PyTorch:")])
+def test_quickstart_runs_with_one_framework(missing, shown):
+    # A finder that refuses the module, as an environment without it would; a None in sys.modules
+    # would not do here: the library reads sys.modules["torch"] wherever it is listed.
+    script = (
+        "import runpy, sys\n"
+        "class Missing:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.partition('.')[0] == {missing!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        f"runpy.run_path({str(ROOT / 'examples' / 'quickstart.py')!r}, run_name='__main__')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout and f'{missing} is not installed: its example is skipped (pip install ".[{missing}]"' in result.stdout
+
+
 def test_sdist_carries_what_its_tests_read_and_passes_twine_check(tmp_path):
     # From a copy without build leftovers: setuptools would reuse a stale *.egg-info/SOURCES.txt.
     # Built without isolation: the build backend (setuptools>=77) is already installed, nothing is downloaded.

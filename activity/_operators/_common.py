@@ -246,7 +246,7 @@ class Plan:
             if not backend.supports(operator.name, kind, mode):
                 raise UnsupportedError(
                     f"{backend!r} does not support activity.{operator.name} with {a(kind.capitalize())} "
-                    f"argument ({mode}). See the support table: {type(backend).__name__}().capabilities()."
+                    f"argument ({mode}). See the support table: {backend!r}.capabilities()."
                 )
         self.operator, self.backend, self.f, self.options = operator, backend, f, options
         self.problem = Problem(operator.name, kinds, values, backend, wheres, keywords)
