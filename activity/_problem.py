@@ -1151,7 +1151,11 @@ def _module_mask(mark: Any, names: Sequence[str], module: Any, label: str) -> An
             else:
                 dotted[f"{prefix}{key}"] = value
     # every name a key may give: the parameters (frozen and tied ones too) and the submodules holding them
-    known = set(names) | {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    try:
+        every = module.named_parameters(remove_duplicate=False)
+    except TypeError:  # an override without the keyword (torchrl's LossModule): its own names
+        every = module.named_parameters()
+    known = set(names) | {name for name, _ in every}
     known |= {name.rsplit(".", depth)[0] for name in list(known) for depth in range(1, name.count(".") + 1)}
     for key in dotted:
         if key not in known:
